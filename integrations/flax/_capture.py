@@ -1,0 +1,316 @@
+"""Capture a JAX/Flax function into an :class:`~orchestrator.graph.OpGraph`.
+
+The function is traced to a jaxpr with ``jax.make_jaxpr`` (abstract arguments
+are fine, so a 175B model is never allocated), dead code is dropped as XLA
+would drop it, and every remaining equation becomes an
+:class:`~orchestrator.graph.Op`. Calls (jit, remat, custom_jvp/vjp) are walked
+into; loop bodies (``scan``, ``while``) are walked once and their ops carry
+``repeats`` = trip count, with FLOPs and bytes multiplied by it. ``while``
+loops have no static trip count: their body is counted once and the number of
+such loops is recorded in ``graph.meta["while_loops_counted_once"]``.
+
+Scope and phase come from the equation's name stack, which Flax fills with
+module paths (``jvp(GPT)/blocks_3/attn``): ops under ``transpose(...)`` are
+backward; ops before the first backward op are forward; ops after it that are
+not under ``jvp(...)`` belong to the optimizer update.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+from jax.extend import core as jcore
+
+from integrations.flax import _primitives
+from integrations.flax._trace import trace
+from orchestrator.graph import Op, OpGraph, Phase, TensorSpec
+
+
+class CaptureWarning(UserWarning):
+    """A primitive was costed conservatively because no rule knows it."""
+
+
+_CALLS = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+# Name-stack components that jax itself adds; they are not module scopes.
+_JAX_SCOPES = frozenset({"checkpoint", "remat", "rematted_computation", "while", "body", "cond", "scan"})
+_WRAPPER = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where a jaxpr value comes from: the op that wrote it and/or a parameter leaf."""
+
+    producer: str | None = None
+    param: int | None = None
+
+
+_NOWHERE = _Source()
+
+
+def parse_name_stack(stack: str) -> tuple[str, bool, bool]:
+    """``(scope, under_transpose, under_jvp)`` of a jax name stack string.
+
+    Flax names a module method other than ``__call__`` as ``module.method``
+    (``wte.attend``); that name is kept, as it tells a tied embedding's use as
+    the output head apart from its use as the input embedding.
+
+    >>> parse_name_stack("transpose(jvp(GPT))/blocks_3/attn")
+    ('GPT/blocks_3/attn', True, True)
+    """
+    parts = []
+    for component in stack.split("/"):
+        match = _WRAPPER.match(component)
+        while match:
+            component = match.group(1)
+            match = _WRAPPER.match(component)
+        if component and component not in _JAX_SCOPES and "->" not in component:  # einsum specs
+            parts.append(component)
+    return "/".join(parts), "transpose(" in stack, "jvp(" in stack
+
+
+def _join(outer: str, inner: str) -> str:
+    return f"{outer}/{inner}" if outer and inner else outer or inner
+
+
+def _spec(aval) -> TensorSpec:
+    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+    return TensorSpec(shape=shape, dtype=str(getattr(aval, "dtype", "float32")))
+
+
+class _Walker:
+    """Walks a jaxpr and its sub-jaxprs, emitting ops into one graph."""
+
+    def __init__(self, graph: OpGraph, param_leaf_bytes: Sequence[int]):
+        self.graph = graph
+        self.param_leaf_bytes = param_leaf_bytes
+        self.claimed: set[int] = set()
+        self.counter: Counter[str] = Counter()
+        self.unknown: Counter[str] = Counter()
+        self.while_loops = 0
+        self.seen_backward = False
+
+    def phase(self, under_transpose: bool, under_jvp: bool) -> Phase:
+        if under_transpose:
+            self.seen_backward = True
+            return "backward"
+        if not self.seen_backward or under_jvp:
+            return "forward"
+        return "optimizer"
+
+    def walk(self, jaxpr, in_sources: Sequence[_Source], *, stack: str, repeats: int) -> list[_Source]:
+        """Emit the ops of ``jaxpr``; returns the sources of its outputs."""
+        if isinstance(jaxpr, jcore.ClosedJaxpr):
+            jaxpr = jaxpr.jaxpr
+        env: dict = {}
+        for var in jaxpr.constvars:
+            env[var] = _NOWHERE
+        if len(in_sources) != len(jaxpr.invars):
+            raise AssertionError(f"{len(in_sources)} sources for {len(jaxpr.invars)} jaxpr inputs")
+        env.update(zip(jaxpr.invars, in_sources))
+
+        def read(atom) -> _Source:
+            return _NOWHERE if isinstance(atom, jcore.Literal) else env.get(atom, _NOWHERE)
+
+        for eqn in jaxpr.eqns:
+            sources = [read(v) for v in eqn.invars]
+            eqn_stack = _join(stack, str(eqn.source_info.name_stack))
+            outs = self.eqn(eqn, sources, stack=eqn_stack, repeats=repeats)
+            for var, src in zip(eqn.outvars, outs):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = src
+        return [read(v) for v in jaxpr.outvars]
+
+    # -- one equation -----------------------------------------------------
+    def eqn(self, eqn, sources: list[_Source], *, stack: str, repeats: int) -> list[_Source]:
+        name = eqn.primitive.name
+        params = eqn.params
+        if name in _CALLS and _CALLS[name] in params:
+            return self.walk(params[_CALLS[name]], sources, stack=stack, repeats=repeats)
+        if name == "scan":
+            return self.walk(params["jaxpr"], sources, stack=stack, repeats=repeats * int(params["length"]))
+        if name == "while":
+            return self.while_loop(eqn, sources, stack=stack, repeats=repeats)
+        if name == "cond":
+            return self.cond(eqn, sources, stack=stack, repeats=repeats)
+        if name == "shard_map":
+            devices = math.prod(params["mesh"].shape.values())
+            return self.walk(params["jaxpr"], sources, stack=stack, repeats=repeats * devices)
+        if name == "pallas_call":
+            return self.pallas_call(eqn, sources, stack=stack, repeats=repeats)
+        rule = _primitives.cost(
+            name, params, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]
+        )
+        if rule is None:
+            subjaxprs = list(jcore.jaxprs_in_params(params))
+            if len(subjaxprs) == 1 and len(subjaxprs[0].invars) == len(eqn.invars):
+                return self.walk(subjaxprs[0], sources, stack=stack, repeats=repeats)
+            rule = self.unknown_primitive(name, eqn)
+        kind, flops, transcendentals = rule
+        return self.emit(eqn, sources, kind=kind, flops=flops, transcendentals=transcendentals, stack=stack, repeats=repeats)
+
+    def unknown_primitive(self, name: str, eqn) -> tuple:
+        rule = _primitives.conservative_cost([v.aval for v in eqn.invars], [v.aval for v in eqn.outvars])
+        if not self.unknown[name]:
+            warnings.warn(
+                f"capture: no cost rule for primitive {name!r}; counting it as 'other' with one "
+                "FLOP per element read and written",
+                CaptureWarning,
+                stacklevel=2,
+            )
+        self.unknown[name] += 1
+        return rule
+
+    def while_loop(self, eqn, sources, *, stack: str, repeats: int) -> list[_Source]:
+        params = eqn.params
+        n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+        body_consts = sources[n_cond : n_cond + n_body]
+        carry = sources[n_cond + n_body :]
+        self.while_loops += 1
+        self.walk(params["cond_jaxpr"], list(sources[:n_cond]) + carry, stack=stack, repeats=repeats)
+        return self.walk(params["body_jaxpr"], body_consts + carry, stack=stack, repeats=repeats)
+
+    def cond(self, eqn, sources, *, stack: str, repeats: int) -> list[_Source]:
+        """Count the most expensive branch: a plan must fit the worst case."""
+        branches = eqn.params["branches"]
+        heaviest = max(branches, key=_jaxpr_flops)
+        return self.walk(heaviest, sources[1:], stack=stack, repeats=repeats)
+
+    def pallas_call(self, eqn, sources, *, stack: str, repeats: int) -> list[_Source]:
+        params = eqn.params
+        estimate = params.get("cost_estimate")
+        if estimate is not None:
+            flops, transcendentals = float(estimate.flops), float(estimate.transcendentals)
+        else:
+            grid = math.prod(params["grid_mapping"].grid) if "grid_mapping" in params else 1
+            flops, transcendentals = _jaxpr_flops(params["jaxpr"]) * grid, 0.0
+        label = str(params.get("name_and_src_info", params.get("name", ""))).lower()
+        kind = "attention" if any(word in label for word in ("attention", "flash", "mha")) else "other"
+        return self.emit(eqn, sources, kind=kind, flops=flops, transcendentals=transcendentals, stack=stack, repeats=repeats)
+
+    def emit(self, eqn, sources, *, kind, flops, transcendentals, stack: str, repeats: int) -> list[_Source]:
+        primitive = eqn.primitive.name
+        op_name = f"{primitive}_{self.counter[primitive]}"
+        self.counter[primitive] += 1
+        scope, under_transpose, under_jvp = parse_name_stack(stack)
+        inputs = tuple(_spec(v.aval) for v in eqn.invars)
+        outputs = tuple(_spec(v.aval) for v in eqn.outvars)
+        param_bytes = 0
+        for src in sources:
+            if src.param is not None and src.param not in self.claimed:
+                self.claimed.add(src.param)
+                param_bytes += self.param_leaf_bytes[src.param]
+        self.graph.add_op(
+            Op(
+                name=op_name,
+                kind=kind,
+                primitive=primitive,
+                inputs=inputs,
+                outputs=outputs,
+                flops=flops * repeats,
+                transcendentals=transcendentals * repeats,
+                bytes_read=sum(t.nbytes for t in inputs) * repeats,
+                bytes_written=sum(t.nbytes for t in outputs) * repeats,
+                param_bytes=param_bytes,
+                scope=scope,
+                phase=self.phase(under_transpose, under_jvp),
+                repeats=repeats,
+            )
+        )
+        for src, spec in zip(sources, inputs):
+            if src.producer is not None:
+                self.graph.add_edge(src.producer, op_name, nbytes=spec.nbytes)
+        return [_Source(producer=op_name) for _ in eqn.outvars]
+
+
+def _jaxpr_flops(jaxpr) -> float:
+    """FLOPs of a jaxpr by the same rules, without building a graph (for cond branches)."""
+    scratch = _Walker(OpGraph(), [])
+    inner = jaxpr.jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else jaxpr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        scratch.walk(inner, [_NOWHERE] * len(inner.invars), stack="", repeats=1)
+    return scratch.graph.total_flops()
+
+
+def _key_name(key) -> str:
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def is_param_path(path: Sequence) -> bool:
+    """Default test for a parameter leaf: under a ``params`` key, not under ``opt_state``.
+
+    Matches ``TrainState.params``, Flax variable dicts ``{"params": ...}`` and
+    ``nnx.State`` filtered to ``nnx.Param``, and excludes optimizer moments.
+    """
+    names = [_key_name(k) for k in path]
+    return "params" in names and "opt_state" not in names
+
+
+def capture(
+    fn: Callable,
+    *example_args,
+    name: str | None = None,
+    is_param: Callable[[Sequence], bool] = is_param_path,
+) -> OpGraph:
+    """Capture ``fn(*example_args)`` as an op-graph.
+
+    Args:
+      fn: a JAX function: a whole training step (forward, backward and
+        optimizer update) or a bare forward pass. May be jitted.
+      *example_args: arrays or ``jax.ShapeDtypeStruct`` pytrees (for example
+        from ``jax.eval_shape``); nothing is computed or allocated.
+      name: graph name; defaults to the function's ``__name__``.
+      is_param: given a leaf's key path, says whether it is a model parameter.
+        Parameter bytes are credited to the first op that reads each one.
+
+    Returns:
+      The :class:`~orchestrator.graph.OpGraph`. ``graph.param_bytes`` is the
+      exact byte count of all parameter leaves.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> g = capture(lambda w, x: jnp.tanh(x @ w), jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> g.total_flops()
+      64.0
+    """
+    closed = trace(fn, *example_args)
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(example_args)[0]
+    leaf_bytes, sources = [], []
+    for path, leaf in leaves_with_paths:
+        if is_param(path):
+            sources.append(_Source(param=len(leaf_bytes)))
+            leaf_bytes.append(_spec(leaf).nbytes)
+        else:
+            sources.append(_NOWHERE)
+    if len(sources) != len(closed.jaxpr.invars):
+        raise AssertionError("jaxpr inputs do not match the flattened arguments")
+    graph = OpGraph(
+        name=name or getattr(fn, "__name__", "fn"),
+        param_bytes=sum(leaf_bytes),
+        meta={"framework": "jax", "jax_version": jax.__version__},
+    )
+    walker = _Walker(graph, leaf_bytes)
+    walker.walk(closed.jaxpr, sources, stack="", repeats=1)
+    graph.meta["unknown_primitives"] = dict(walker.unknown)
+    graph.meta["while_loops_counted_once"] = walker.while_loops
+    graph.meta["param_leaves"] = len(leaf_bytes)
+    return graph

@@ -1,0 +1,29 @@
+"""``orchestrator`` — the command-line entry point.
+
+User mistakes (an unknown recipe, a bad file) end in one line on stderr and
+exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from orchestrator.cli._graph import graph_command
+
+app = typer.Typer(
+    name="orchestrator",
+    help="Plan and run training steps across mixed accelerator clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("graph")(graph_command)
+
+
+@app.callback()
+def _root() -> None:
+    """Plan and run training steps across mixed accelerator clusters."""
+
+
+def main() -> None:
+    app()
