@@ -67,7 +67,9 @@ def _default_shape(name: str, config: GPTConfig | MambaConfig) -> tuple[int, int
 
 
 RECIPES: dict[str, Recipe] = {
-    name: Recipe(name=name, config=config, batch_size=_default_shape(name, config)[0], seq_len=_default_shape(name, config)[1])
+    name: Recipe(
+        name=name, config=config, batch_size=_default_shape(name, config)[0], seq_len=_default_shape(name, config)[1]
+    )
     for name, config in {**GPT_PRESETS, **MAMBA_PRESETS}.items()
 }
 

@@ -7,6 +7,8 @@ by ``jax.value_and_grad``, an optax AdamW update through
 
 from __future__ import annotations
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,7 @@ def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+@partial(jax.jit, static_argnums=(1, 2, 3))
 def synthetic_batch(rng: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> dict:
     """Sequences from a fixed random bigram map: token t+1 = perm[token t].
 

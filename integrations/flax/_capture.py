@@ -153,16 +153,16 @@ class _Walker:
             return self.walk(params["jaxpr"], sources, stack=stack, repeats=repeats * devices)
         if name == "pallas_call":
             return self.pallas_call(eqn, sources, stack=stack, repeats=repeats)
-        rule = _primitives.cost(
-            name, params, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]
-        )
+        rule = _primitives.cost(name, params, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars])
         if rule is None:
             subjaxprs = list(jcore.jaxprs_in_params(params))
             if len(subjaxprs) == 1 and len(subjaxprs[0].invars) == len(eqn.invars):
                 return self.walk(subjaxprs[0], sources, stack=stack, repeats=repeats)
             rule = self.unknown_primitive(name, eqn)
         kind, flops, transcendentals = rule
-        return self.emit(eqn, sources, kind=kind, flops=flops, transcendentals=transcendentals, stack=stack, repeats=repeats)
+        return self.emit(
+            eqn, sources, kind=kind, flops=flops, transcendentals=transcendentals, stack=stack, repeats=repeats
+        )
 
     def unknown_primitive(self, name: str, eqn) -> tuple:
         rule = _primitives.conservative_cost([v.aval for v in eqn.invars], [v.aval for v in eqn.outvars])
@@ -201,7 +201,9 @@ class _Walker:
             flops, transcendentals = _jaxpr_flops(params["jaxpr"]) * grid, 0.0
         label = str(params.get("name_and_src_info", params.get("name", ""))).lower()
         kind = "attention" if any(word in label for word in ("attention", "flash", "mha")) else "other"
-        return self.emit(eqn, sources, kind=kind, flops=flops, transcendentals=transcendentals, stack=stack, repeats=repeats)
+        return self.emit(
+            eqn, sources, kind=kind, flops=flops, transcendentals=transcendentals, stack=stack, repeats=repeats
+        )
 
     def emit(self, eqn, sources, *, kind, flops, transcendentals, stack: str, repeats: int) -> list[_Source]:
         primitive = eqn.primitive.name

@@ -13,7 +13,7 @@ from rich.table import Table
 
 
 def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=2)
 
 
@@ -98,7 +98,9 @@ def graph_command(
         )
     out = Console()
     out.print(table)
-    xla_text = "" if xla_count is None else f" (XLA: {_si(xla_count, 'FLOP')}, {graph.total_flops() / xla_count - 1:+.2%})"
+    xla_text = (
+        "" if xla_count is None else f" (XLA: {_si(xla_count, 'FLOP')}, {graph.total_flops() / xla_count - 1:+.2%})"
+    )
     out.print(
         f"total {_si(totals['flops'], 'FLOP')}{xla_text}, params {_si(graph.param_bytes, 'B')}, "
         f"{totals['ops']} ops in {totals['layers']} layers ({totals['distinct_layers']} distinct), "

@@ -6,10 +6,13 @@ scale with layers — and its cost tables with *distinct* layers — not with op
 Grouping by module scope:
   1. The *unit* of a forward or backward op is the first scope component below
      the scope all forward ops share (``GPT/blocks_3/attn/c_attn`` → ``blocks_3``).
-  2. Units are ordered by their first forward op. A unit named ``<prefix>_<n>``
-     whose prefix names at least two units is a *repeated block* and becomes a
-     layer of its own; runs of other units in between merge into one layer
-     (``wte`` + ``wpe`` before the blocks, ``ln_f`` + ``wte.attend`` after).
+  2. Units are ordered by their first forward op. Units named ``<prefix>_<n>``
+     or ``<prefix>_<n>_<rest>``, where ``<prefix>`` occurs with at least two
+     numbers ``n``, are *repeated blocks*: all units of one ``<prefix>_<n>``
+     form one layer (``res_0_norm``, ``res_0_up`` → ``res_0``). When a model
+     has blocks, each run of other units between them merges into one layer
+     (``wte`` + ``wpe`` before the blocks, ``ln_f`` + ``wte.attend`` after);
+     when it has none, every unit is a layer.
   3. Ops without a unit (loss, glue at the root scope, the optimizer update)
      join the layer of the producer they read the most bytes from, or failing
      that, of the consumer they feed the most bytes to. An optimizer update
@@ -29,7 +32,7 @@ from collections import defaultdict
 from orchestrator.coarsen._layers import Layer, LayerGraph
 from orchestrator.graph import OpGraph
 
-_BLOCK = re.compile(r"^(.*)_(\d+)$")
+_BLOCK = re.compile(r"^(.*?)_(\d+)(?:_.*)?$")
 
 
 def coarsen(graph: OpGraph, *, fallback_layers: int = 8) -> LayerGraph:
@@ -52,7 +55,9 @@ def coarsen(graph: OpGraph, *, fallback_layers: int = 8) -> LayerGraph:
     if len(graph) == 0:
         raise ValueError("cannot coarsen an empty op-graph")
     root, units = _scope_units(graph)
-    ordered_units = list(dict.fromkeys(u for op, u in units.items() if u is not None and graph.op(op).phase == "forward"))
+    ordered_units = list(
+        dict.fromkeys(u for op, u in units.items() if u is not None and graph.op(op).phase == "forward")
+    )
     if len(ordered_units) >= 2:
         names, layer_of_unit = _group_units(ordered_units)
         names = [f"{root}/{name}" if root else name for name in names]
@@ -86,25 +91,39 @@ def _scope_units(graph: OpGraph) -> tuple[str, dict[str, str | None]]:
     return "/".join(root), units
 
 
+def _block_key(unit: str) -> tuple[str, str] | None:
+    """``("res_0", "res")`` for ``res_0_up``; ``("blocks_3", "blocks")`` for ``blocks_3``."""
+    match = _BLOCK.match(unit)
+    return (f"{match.group(1)}_{match.group(2)}", match.group(1)) if match else None
+
+
 def _group_units(ordered_units: list[str]) -> tuple[list[str], dict[str, int]]:
-    prefixes = defaultdict(int)
+    numbers = defaultdict(set)
     for unit in ordered_units:
-        match = _BLOCK.match(unit)
-        if match:
-            prefixes[match.group(1)] += 1
+        key = _block_key(unit)
+        if key:
+            numbers[key[1]].add(key[0])
 
-    def is_block(unit: str) -> bool:
-        match = _BLOCK.match(unit)
-        return bool(match) and prefixes[match.group(1)] >= 2
+    def block_of(unit: str) -> str | None:
+        key = _block_key(unit)
+        return key[0] if key and len(numbers[key[1]]) >= 2 else None
 
-    groups: list[list[str]] = []
+    has_blocks = any(block_of(unit) for unit in ordered_units)
+    names: list[str] = []
+    layer_of_unit: dict[str, int] = {}
+    previous_block: str | None = None
     for unit in ordered_units:
-        if is_block(unit) or not groups or is_block(groups[-1][-1]):
-            groups.append([unit])
-        else:
-            groups[-1].append(unit)
-    layer_of_unit = {unit: i for i, group in enumerate(groups) for unit in group}
-    return ["+".join(group) for group in groups], layer_of_unit
+        block = block_of(unit)
+        if block is not None and block == previous_block:
+            layer_of_unit[unit] = len(names) - 1
+        elif block is not None or not has_blocks or not names or previous_block is not None:
+            names.append(block or unit)
+            layer_of_unit[unit] = len(names) - 1
+        else:  # a run of non-block units between blocks: one layer
+            names[-1] = f"{names[-1]}+{unit}"
+            layer_of_unit[unit] = len(names) - 1
+        previous_block = block
+    return names, layer_of_unit
 
 
 def _balanced(graph: OpGraph, count: int) -> tuple[list[str], dict[str, int]]:

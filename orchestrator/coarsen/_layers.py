@@ -137,7 +137,9 @@ class LayerGraph:
     @classmethod
     def from_json(cls, data: dict) -> LayerGraph:
         if data.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"layer-graph JSON has format_version {data.get('format_version')!r}, expected {FORMAT_VERSION}")
+            raise ValueError(
+                f"layer-graph JSON has format_version {data.get('format_version')!r}, expected {FORMAT_VERSION}"
+            )
         layers = [Layer.from_json(layer) for layer in data["layers"]]
         return cls(layers, {(int(u), int(v)): int(b) for u, v, b in data["edges"]}, name=data["name"])
 

@@ -84,9 +84,7 @@ class OpGraph:
 
     def total_flops(self, *, phase: Phase | None = None, kind: OpKind | None = None) -> float:
         return sum(
-            op.flops
-            for op in self.ops()
-            if (phase is None or op.phase == phase) and (kind is None or op.kind == kind)
+            op.flops for op in self.ops() if (phase is None or op.phase == phase) and (kind is None or op.kind == kind)
         )
 
     def total_transcendentals(self) -> float:

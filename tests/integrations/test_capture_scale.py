@@ -1,0 +1,39 @@
+"""Capturing the 175B GPT train step: under 30 s and 2 GiB peak RSS (issue 2)."""
+
+import json
+import subprocess
+import sys
+
+from recipes import get_recipe
+
+
+def get_recipe_param_count() -> int:
+    return get_recipe("gpt-175b").config.param_count()
+
+
+SCRIPT = """
+import json, resource, time
+t0 = time.perf_counter()
+from integrations.flax import capture
+from orchestrator.coarsen import coarsen
+from recipes import get_recipe
+recipe = get_recipe("gpt-175b")
+state = recipe.abstract_state()
+graph = capture(recipe.train_step, state, recipe.batch_spec())
+layers = coarsen(graph)
+print(json.dumps({
+    "seconds": time.perf_counter() - t0,
+    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "ops": len(graph), "layers": len(layers), "param_bytes": graph.param_bytes,
+}))
+"""
+
+
+def test_capture_175b_is_fast_and_small():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    print(result)
+    assert result["layers"] == 96 + 2
+    assert result["param_bytes"] == 4 * get_recipe_param_count()
+    assert result["seconds"] < 30
+    assert result["peak_rss_bytes"] < 2 * 1024**3

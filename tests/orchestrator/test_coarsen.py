@@ -1,0 +1,154 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+from integrations.flax import capture
+from orchestrator.coarsen import LayerGraph, coarsen
+from orchestrator.graph import Op, OpGraph
+from recipes import get_recipe
+
+
+def _layers(name, batch=2, seq=64):
+    recipe = get_recipe(name)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(batch, seq))
+    return recipe, graph, coarsen(graph)
+
+
+def test_gpt2_small_is_embedding_twelve_blocks_and_head():
+    _, graph, layers = _layers("gpt2-small")
+    names = [layer.name for layer in layers]
+    assert names == ["GPT/wte+wpe"] + [f"GPT/blocks_{i}" for i in range(12)] + ["GPT/ln_f+wte.attend"]
+    assert list(layers.repeated().values()) == [list(range(1, 13))]
+    assert layers.totals()["distinct_layers"] == 3
+    assert sum(layer.param_bytes for layer in layers) == graph.param_bytes
+    assert layers.totals()["flops"] == pytest.approx(graph.total_flops())
+    assert layers.is_chain()
+    # the residual stream (batch, seq, d_model) fp32 crosses every cut but the last
+    assert layers.cut_bytes() == [2 * 64 * 768 * 4] * 13 + [0]
+
+
+@pytest.mark.parametrize("name", ["mamba-tiny", "mamba-130m", "mamba-370m", "mamba-1.4b", "mamba-2.8b"])
+def test_mamba_presets_find_their_blocks(name):
+    recipe, _, layers = _layers(name, batch=1, seq=16)
+    n = recipe.config.num_layers
+    assert len(layers) == n + 2
+    assert [layer.name for layer in layers[1:-1]] == [f"Mamba/layers_{i}" for i in range(n)]
+    assert list(layers.repeated().values()) == [list(range(1, n + 1))]
+
+
+def test_optimizer_update_lands_with_its_layer():
+    _, _, layers = _layers("gpt-tiny")
+    for layer in layers[1:-1]:
+        assert layer.optimizer_flops > 0
+        assert layer.backward_flops > layer.forward_flops
+
+
+class ResidualMLP(nn.Module):
+    depth: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, name="stem")(x)
+        for i in range(self.depth):
+            h = nn.Dense(64, name=f"res_{i}_up")(nn.LayerNorm(name=f"res_{i}_norm")(x))
+            x = x + nn.Dense(32, name=f"res_{i}_down")(nn.gelu(h))
+        return nn.Dense(10, name="readout")(x)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(x)))
+
+
+class BlockMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, name="stem")(x)
+        for _ in range(3):
+            x = Block()(x)  # auto-named Block_0, Block_1, Block_2
+        return nn.Dense(10, name="readout")(x)
+
+
+def _step_graph(model, features=16):
+    x = jnp.ones((8, features))
+    params = model.init(jax.random.key(0), x)["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+    def step(state, x):
+        grads = jax.grad(lambda p: (state.apply_fn({"params": p}, x) ** 2).mean())(state.params)
+        return state.apply_gradients(grads=grads)
+
+    return capture(step, state, x)
+
+
+def test_auto_named_flax_blocks_are_layers():
+    layers = coarsen(_step_graph(BlockMLP()))
+    assert [layer.name for layer in layers] == [
+        "BlockMLP/stem",
+        "BlockMLP/Block_0",
+        "BlockMLP/Block_1",
+        "BlockMLP/Block_2",
+        "BlockMLP/readout",
+    ]
+    assert list(layers.repeated().values()) == [[1, 2, 3]]
+
+
+def test_numbered_unit_families_form_blocks():
+    graph = _step_graph(ResidualMLP())
+    layers = coarsen(graph)
+    expected = ["stem"] + [f"res_{i}" for i in range(4)] + ["readout"]
+    assert [layer.name for layer in layers] == [f"ResidualMLP/{n}" for n in expected]
+    assert list(layers.repeated().values()) == [[1, 2, 3, 4]]
+    assert sum(layer.param_bytes for layer in layers) == graph.param_bytes
+
+
+class Unnumbered(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, name="stem")(x)
+        x = nn.Dense(32, name="middle")(nn.relu(x))
+        return nn.Dense(10, name="readout")(nn.relu(x))
+
+
+def test_without_blocks_every_unit_is_a_layer():
+    layers = coarsen(_step_graph(Unnumbered()))
+    assert [layer.name for layer in layers] == ["Unnumbered/stem", "Unnumbered/middle", "Unnumbered/readout"]
+
+
+def test_unscoped_graph_falls_back_to_balanced_cuts():
+    def f(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x.sum()
+
+    ws = [jnp.ones((64, 64))] * 8
+    graph = capture(jax.grad(f), ws, jnp.ones((4, 64)))
+    layers = coarsen(graph, fallback_layers=4)
+    assert [layer.name for layer in layers] == [f"layer_{i}" for i in range(4)]
+    forward = [layer.forward_flops for layer in layers]
+    assert max(forward) <= 1.5 * min(forward)
+    assert sum(layer.flops for layer in layers) == pytest.approx(graph.total_flops())
+
+
+def test_layer_graph_json_round_trip(tmp_path):
+    _, _, layers = _layers("gpt-tiny")
+    layers.save(tmp_path / "layers.json")
+    again = LayerGraph.load(tmp_path / "layers.json")
+    assert again.to_json() == layers.to_json()
+    assert again.cut_bytes() == layers.cut_bytes()
+
+
+def test_empty_graph_is_an_error():
+    with pytest.raises(ValueError, match="empty"):
+        coarsen(OpGraph())
+
+
+def test_single_op_graph_is_one_layer():
+    g = OpGraph()
+    g.add_op(Op(name="a", kind="matmul", primitive="dot_general", flops=1.0))
+    layers = coarsen(g)
+    assert len(layers) == 1 and layers[0].flops == 1.0

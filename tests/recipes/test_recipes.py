@@ -1,0 +1,62 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from recipes import RECIPES, get_recipe, synthetic_batch
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_preset_parameter_counts_are_exact(name):
+    recipe = get_recipe(name)
+    state = recipe.abstract_state()
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(state.params))
+    assert count == recipe.config.param_count()
+
+
+def test_gpt2_small_has_124m_parameters():
+    assert get_recipe("gpt2-small").config.param_count() == 124_439_808
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(KeyError, match="gpt2-small"):
+        get_recipe("gpt-5")
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "mamba-tiny"])
+def test_tiny_recipe_learns_the_synthetic_task(name):
+    recipe = get_recipe(name)
+    state = recipe.create_state(jax.random.key(0), learning_rate=3e-3)
+    step = jax.jit(recipe.train_step)
+    losses = []
+    for i in range(200):
+        batch = synthetic_batch(jax.random.key(i), 16, 32, recipe.config.vocab_size)
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    losses = [float(loss) for loss in losses]
+    first, last = np.mean(losses[:5]), np.mean(losses[-5:])
+    print(f"{name}: loss {first:.3f} -> {last:.3f}")
+    assert first > 0.9 * np.log(recipe.config.vocab_size)
+    assert last < 0.25 * first
+
+
+def test_mamba_selective_scan_matches_a_python_loop():
+    from recipes.mamba import selective_scan
+
+    k = jax.random.split(jax.random.key(0), 3)
+    a = jax.random.uniform(k[0], (2, 5, 3, 4))
+    bx = jax.random.normal(k[1], (2, 5, 3, 4))
+    c = jax.random.normal(k[2], (2, 5, 4))
+    h = jnp.zeros((2, 3, 4))
+    ys = []
+    for t in range(5):
+        h = a[:, t] * h + bx[:, t]
+        ys.append(jnp.einsum("bdn,bn->bd", h, c[:, t]))
+    np.testing.assert_allclose(selective_scan(a, bx, c), jnp.stack(ys, 1), rtol=1e-6)
+
+
+def test_gpt_refuses_too_long_sequences():
+    recipe = get_recipe("gpt-tiny")
+    state = recipe.create_state(jax.random.key(0))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        state.apply_fn({"params": state.params}, jnp.zeros((1, 65), jnp.int32))
