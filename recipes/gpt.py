@@ -67,33 +67,42 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def _dense(features: int, axes: tuple[str, str], name: str, dtype: str) -> nn.Dense:
-    return nn.Dense(
+def _dense(features, axes: tuple[str | None, ...], name: str, dtype: str, *, axis=-1) -> nn.DenseGeneral:
+    """A dense layer whose kernel carries logical axis names ``axes`` (inputs first)."""
+    out_axes = axes[-len(features) :] if isinstance(features, tuple) else axes[-1:]
+    return nn.DenseGeneral(
         features,
+        axis=axis,
         dtype=dtype,
         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes[1],)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), out_axes),
         name=name,
     )
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with a fused QKV projection.
+
+    The QKV kernel is (d_model, 3, heads, head_dim) and the output kernel
+    (heads, head_dim, d_model), so tensor parallelism shards whole heads
+    (Megatron's column- then row-parallel pair) with no resharding in between.
+    """
+
     config: GPTConfig
 
     @nn.compact
     def __call__(self, x):  # (batch, seq, d_model)
         cfg = self.config
-        batch, seq, _ = x.shape
-        qkv = _dense(3 * cfg.d_model, ("embed", "heads"), "c_attn", cfg.dtype)(x)
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        # (batch, seq, heads, head_dim)
-        q, k, v = (t.reshape(batch, seq, cfg.num_heads, cfg.head_dim) for t in (q, k, v))
+        seq = x.shape[1]
+        qkv = _dense((3, cfg.num_heads, cfg.head_dim), ("embed", None, "heads", "kv"), "c_attn", cfg.dtype)(x)
+        # (batch, seq, heads, head_dim) each
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(cfg.head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         weights = nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, cfg.d_model)
-        return _dense(cfg.d_model, ("heads", "embed"), "c_proj", cfg.dtype)(out)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return _dense(cfg.d_model, ("heads", "kv", "embed"), "c_proj", cfg.dtype, axis=(-2, -1))(out)
 
 
 class MLP(nn.Module):
@@ -102,9 +111,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        x = _dense(cfg.d_ff, ("embed", "mlp"), "c_fc", cfg.dtype)(x)
+        x = _dense(cfg.d_ff, ("embed", "mlp"), "c_fc", cfg.dtype)(x)  # column-parallel
         x = nn.gelu(x)
-        return _dense(cfg.d_model, ("mlp", "embed"), "c_proj", cfg.dtype)(x)
+        return _dense(cfg.d_model, ("mlp", "embed"), "c_proj", cfg.dtype)(x)  # row-parallel
 
 
 class Block(nn.Module):

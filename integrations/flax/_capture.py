@@ -96,9 +96,9 @@ def _spec(aval) -> TensorSpec:
 class _Walker:
     """Walks a jaxpr and its sub-jaxprs, emitting ops into one graph."""
 
-    def __init__(self, graph: OpGraph, param_leaf_bytes: Sequence[int]):
+    def __init__(self, graph: OpGraph, param_paths: Sequence[str]):
         self.graph = graph
-        self.param_leaf_bytes = param_leaf_bytes
+        self.param_paths = param_paths
         self.claimed: set[int] = set()
         self.counter: Counter[str] = Counter()
         self.unknown: Counter[str] = Counter()
@@ -212,11 +212,11 @@ class _Walker:
         scope, under_transpose, under_jvp = parse_name_stack(stack)
         inputs = tuple(_spec(v.aval) for v in eqn.invars)
         outputs = tuple(_spec(v.aval) for v in eqn.outvars)
-        param_bytes = 0
+        first_read = []
         for src in sources:
             if src.param is not None and src.param not in self.claimed:
                 self.claimed.add(src.param)
-                param_bytes += self.param_leaf_bytes[src.param]
+                first_read.append(self.param_paths[src.param])
         self.graph.add_op(
             Op(
                 name=op_name,
@@ -228,7 +228,8 @@ class _Walker:
                 transcendentals=transcendentals * repeats,
                 bytes_read=sum(t.nbytes for t in inputs) * repeats,
                 bytes_written=sum(t.nbytes for t in outputs) * repeats,
-                param_bytes=param_bytes,
+                param_bytes=sum(self.graph.params[path].nbytes for path in first_read),
+                param_paths=tuple(first_read),
                 scope=scope,
                 phase=self.phase(under_transpose, under_jvp),
                 repeats=repeats,
@@ -255,6 +256,14 @@ def _key_name(key) -> str:
         if hasattr(key, attribute):
             return str(getattr(key, attribute))
     return str(key)
+
+
+def param_path_name(path: Sequence) -> str:
+    """``"blocks_3/attn/c_attn/kernel"`` for a key path, dropping everything up to ``params``."""
+    names = [_key_name(k) for k in path]
+    if "params" in names:
+        names = names[len(names) - names[::-1].index("params") :]
+    return "/".join(names)
 
 
 def is_param_path(path: Sequence) -> bool:
@@ -296,23 +305,23 @@ def capture(
     """
     closed = trace(fn, *example_args)
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(example_args)[0]
-    leaf_bytes, sources = [], []
+    params, sources = {}, []
     for path, leaf in leaves_with_paths:
         if is_param(path):
-            sources.append(_Source(param=len(leaf_bytes)))
-            leaf_bytes.append(_spec(leaf).nbytes)
+            sources.append(_Source(param=len(params)))
+            name = param_path_name(path)
+            params[name if name not in params else jax.tree_util.keystr(path)] = _spec(leaf)
         else:
             sources.append(_NOWHERE)
     if len(sources) != len(closed.jaxpr.invars):
         raise AssertionError("jaxpr inputs do not match the flattened arguments")
     graph = OpGraph(
         name=name or getattr(fn, "__name__", "fn"),
-        param_bytes=sum(leaf_bytes),
+        params=params,
         meta={"framework": "jax", "jax_version": jax.__version__},
     )
-    walker = _Walker(graph, leaf_bytes)
+    walker = _Walker(graph, list(params))
     walker.walk(closed.jaxpr, sources, stack="", repeats=1)
     graph.meta["unknown_primitives"] = dict(walker.unknown)
     graph.meta["while_loops_counted_once"] = walker.while_loops
-    graph.meta["param_leaves"] = len(leaf_bytes)
     return graph

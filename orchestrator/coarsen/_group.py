@@ -216,6 +216,7 @@ def _build(graph: OpGraph, assignment: dict[str, int], names: list[str], scoped:
                 param_bytes=param_bytes,
                 activation_bytes=sent[index],
                 signature=_signature(graph, [n for n in ops if n in scoped], param_bytes),
+                params=tuple(path for op in records for path in op.param_paths),
                 ops=tuple(ops),
             )
         )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import networkx as nx
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +26,7 @@ class Layer:
         layers (for a chain: the activation crossing the cut after it).
       signature: equal for layers that do the same work on the same shapes
         (repeated transformer blocks), so costs are computed once per signature.
+      params: paths of the parameters first read by this layer.
       ops: names of the op-graph ops that make up the layer.
     """
 
@@ -38,7 +39,8 @@ class Layer:
     param_bytes: int
     activation_bytes: int
     signature: str
-    ops: tuple[str, ...] = field(repr=False)
+    params: tuple[str, ...] = field(default=(), repr=False)
+    ops: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def flops(self) -> float:
@@ -56,6 +58,7 @@ class Layer:
             "param_bytes": self.param_bytes,
             "activation_bytes": self.activation_bytes,
             "signature": self.signature,
+            "params": list(self.params),
             "ops": list(self.ops),
         }
 
@@ -71,6 +74,7 @@ class Layer:
             param_bytes=int(data["param_bytes"]),
             activation_bytes=int(data["activation_bytes"]),
             signature=data["signature"],
+            params=tuple(data["params"]),
             ops=tuple(data["ops"]),
         )
 

@@ -97,6 +97,8 @@ class Op:
         unfused (every op reads and writes main memory).
       param_bytes: bytes of model parameters this op is the first reader of;
         summed over a graph it gives the model's parameter bytes exactly.
+      param_paths: those parameters, as paths below the parameter root
+        (``"blocks_3/attn/c_attn/kernel"``).
       scope: module scope path such as ``"GPT/blocks_3/attn"`` (``""`` if none).
       phase: forward, backward or optimizer.
       repeats: how many times the op runs per step (loop trip counts multiplied).
@@ -112,6 +114,7 @@ class Op:
     bytes_read: int = 0
     bytes_written: int = 0
     param_bytes: int = 0
+    param_paths: tuple[str, ...] = ()
     scope: str = ""
     phase: Phase = "forward"
     repeats: int = 1
@@ -136,6 +139,7 @@ class Op:
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
             "param_bytes": self.param_bytes,
+            "param_paths": list(self.param_paths),
             "scope": self.scope,
             "phase": self.phase,
             "repeats": self.repeats,
@@ -154,6 +158,7 @@ class Op:
             bytes_read=int(data["bytes_read"]),
             bytes_written=int(data["bytes_written"]),
             param_bytes=int(data["param_bytes"]),
+            param_paths=tuple(data["param_paths"]),
             scope=data["scope"],
             phase=data["phase"],
             repeats=int(data["repeats"]),

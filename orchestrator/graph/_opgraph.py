@@ -15,9 +15,9 @@ from pathlib import Path
 
 import networkx as nx
 
-from orchestrator.graph._op import Op, OpKind, Phase
+from orchestrator.graph._op import Op, OpKind, Phase, TensorSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class OpGraph:
@@ -25,8 +25,8 @@ class OpGraph:
 
     Args:
       name: what was captured, e.g. ``"gpt2-small/train_step"``.
-      param_bytes: bytes of all model parameters; equals the sum of
-        ``Op.param_bytes`` when every parameter is read by some op.
+      params: every model parameter by path (``"blocks_3/attn/c_attn/kernel"``)
+        with its shape and dtype; ``param_bytes`` is their total.
       meta: free-form facts about the capture (framework, batch shape, ...).
 
     Example:
@@ -38,11 +38,15 @@ class OpGraph:
       8.0
     """
 
-    def __init__(self, *, name: str = "", param_bytes: int = 0, meta: dict | None = None):
+    def __init__(self, *, name: str = "", params: dict[str, TensorSpec] | None = None, meta: dict | None = None):
         self.name = name
-        self.param_bytes = param_bytes
+        self.params: dict[str, TensorSpec] = dict(params or {})
         self.meta: dict = dict(meta or {})
         self.nx = nx.DiGraph()
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.params.values())
 
     # -- building ---------------------------------------------------------
     def add_op(self, op: Op) -> None:
@@ -105,7 +109,7 @@ class OpGraph:
         return {
             "format_version": FORMAT_VERSION,
             "name": self.name,
-            "param_bytes": self.param_bytes,
+            "params": {path: spec.to_json() for path, spec in self.params.items()},
             "meta": self.meta,
             "ops": [op.to_json() for op in self.ops()],
             "edges": [[u, v, b] for u, v, b in self.edges()],
@@ -119,7 +123,8 @@ class OpGraph:
                 f"op-graph JSON has format_version {version!r}; this Orchestrator reads "
                 f"version {FORMAT_VERSION}: capture the graph again"
             )
-        graph = cls(name=data["name"], param_bytes=int(data["param_bytes"]), meta=data["meta"])
+        params = {path: TensorSpec.from_json(spec) for path, spec in data["params"].items()}
+        graph = cls(name=data["name"], params=params, meta=data["meta"])
         for op in data["ops"]:
             graph.add_op(Op.from_json(op))
         for u, v, b in data["edges"]:
