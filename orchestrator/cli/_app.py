@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from orchestrator.cli._cluster import cluster_app
 from orchestrator.cli._graph import graph_command
 
 app = typer.Typer(
@@ -18,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("graph")(graph_command)
+app.add_typer(cluster_app, name="cluster")
 
 
 @app.callback()

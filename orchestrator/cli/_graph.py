@@ -11,17 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
-
-
-def _si(value: float, unit: str) -> str:
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.2f} {prefix}{unit}"
-    return f"{value:.0f} {unit}"
+from orchestrator.cli._common import fail, si
 
 
 def graph_command(
@@ -37,12 +27,12 @@ def graph_command(
     from recipes import RECIPES
 
     if recipe not in RECIPES:
-        _fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
+        fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
     spec = RECIPES[recipe]
     seq_len = seq_len or spec.seq_len
     max_seq = getattr(spec.config, "max_seq_len", None)
     if max_seq is not None and seq_len > max_seq:
-        _fail(f"--seq-len {seq_len} exceeds {recipe}'s max_seq_len {max_seq}; pass --seq-len {max_seq} or less")
+        fail(f"--seq-len {seq_len} exceeds {recipe}'s max_seq_len {max_seq}; pass --seq-len {max_seq} or less")
     state = spec.abstract_state()
     batch = spec.batch_spec(batch_size, seq_len)
     console = Console(stderr=True)
@@ -91,18 +81,18 @@ def graph_command(
         table.add_row(
             str(layer.index),
             layer.name,
-            _si(layer.flops, "FLOP"),
-            _si(layer.param_bytes, "B"),
-            _si(layer.activation_bytes, "B"),
+            si(layer.flops, "FLOP"),
+            si(layer.param_bytes, "B"),
+            si(layer.activation_bytes, "B"),
             layer.signature[:8],
         )
     out = Console()
     out.print(table)
     xla_text = (
-        "" if xla_count is None else f" (XLA: {_si(xla_count, 'FLOP')}, {graph.total_flops() / xla_count - 1:+.2%})"
+        "" if xla_count is None else f" (XLA: {si(xla_count, 'FLOP')}, {graph.total_flops() / xla_count - 1:+.2%})"
     )
     out.print(
-        f"total {_si(totals['flops'], 'FLOP')}{xla_text}, params {_si(graph.param_bytes, 'B')}, "
+        f"total {si(totals['flops'], 'FLOP')}{xla_text}, params {si(graph.param_bytes, 'B')}, "
         f"{totals['ops']} ops in {totals['layers']} layers ({totals['distinct_layers']} distinct), "
         f"captured in {capture_s:.1f} s"
     )

@@ -1,0 +1,62 @@
+"""``orchestrator cluster show PRESET|FILE``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.cli._common import fail, si
+
+cluster_app = typer.Typer(help="Inspect cluster presets and files.", no_args_is_help=True)
+
+
+@cluster_app.command("show")
+def show(
+    name: Annotated[str, typer.Argument(help="A preset name (a100x8, mixed-a100-v100, local, ...) or a YAML file.")],
+) -> None:
+    """Print a cluster's device types, hosts and network levels."""
+    from orchestrator.cluster import ClusterError, load_cluster
+
+    try:
+        cluster = load_cluster(name)
+    except ClusterError as error:
+        fail(str(error))
+    out = Console()
+    types = Table(title=f"{cluster.name}: device types")
+    for column in ("type", "devices", "peak FLOP/s by dtype", "memory", "memory bandwidth"):
+        types.add_column(column)
+    counts = cluster.counts_by_type()
+    for dtype in cluster.device_types.values():
+        peaks = ", ".join(f"{k} {si(v, 'FLOP/s')}" for k, v in dtype.peak_flops.items())
+        types.add_row(
+            dtype.name,
+            str(counts.get(dtype.name, 0)),
+            peaks,
+            si(dtype.memory_bytes, "B"),
+            si(dtype.memory_bandwidth_bytes_per_s, "B/s"),
+        )
+    out.print(types)
+    hosts = Table(title="hosts")
+    for column in ("host", "type", "devices", "rack", "intra-host link"):
+        hosts.add_column(column)
+    for host in cluster.hosts:
+        down = sum(1 for ref in cluster.unavailable if ref.startswith(f"{host.name}/"))
+        count = f"{host.count - down}/{host.count}" if down else str(host.count)
+        link = f"{si(host.intra_link.bandwidth_bytes_per_s, 'B/s')}, {host.intra_link.latency_s * 1e6:g} µs"
+        hosts.add_row(host.name, host.device_type, count, host.rack, link)
+    out.print(hosts)
+    for level, link in (("rack", cluster.rack_link), ("cluster", cluster.cluster_link)):
+        if link is not None:
+            out.print(
+                f"{level} level: {si(link.bandwidth_bytes_per_s, 'B/s')} per direction, {link.latency_s * 1e6:g} µs"
+            )
+    for pair, link in cluster.overrides.items():
+        out.print(
+            f"override {' <-> '.join(sorted(pair))}: {si(link.bandwidth_bytes_per_s, 'B/s')}, {link.latency_s * 1e6:g} µs"
+        )
+    if cluster.shared_cores:
+        out.print(f"all devices share {cluster.shared_cores} CPU cores")
+    out.print(f"{len(cluster.devices())} devices in service")

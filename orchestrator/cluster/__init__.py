@@ -1,0 +1,24 @@
+"""Heterogeneous clusters: device types, hosts, and the links between them.
+
+>>> from orchestrator.cluster import load_cluster
+>>> cluster = load_cluster("mixed-a100-v100")
+>>> cluster.counts_by_type()
+{'a100': 16, 'v100': 16}
+"""
+
+from orchestrator.cluster._load import ClusterError, load_cluster, parse_cluster, preset_names
+from orchestrator.cluster._model import LEVELS, Cluster, Device, DeviceType, Host, Level, Link
+
+__all__ = [
+    "LEVELS",
+    "Cluster",
+    "ClusterError",
+    "Device",
+    "DeviceType",
+    "Host",
+    "Level",
+    "Link",
+    "load_cluster",
+    "parse_cluster",
+    "preset_names",
+]

@@ -1,0 +1,162 @@
+"""Load a cluster from a preset name, a YAML file, or ``local`` (this machine's jax devices).
+
+Every user mistake becomes a :class:`ClusterError` whose one-line message
+names the file, the YAML path of the bad field (``hosts[2].count``) and what
+was expected.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.cluster._model import Cluster, DeviceType, Host, Link
+from orchestrator.cluster._spec import ClusterSpec, LinkSpec
+
+
+class ClusterError(ValueError):
+    """A cluster file or preset name that cannot be used, with a one-line reason."""
+
+
+def preset_names() -> list[str]:
+    files = resources.files("orchestrator.cluster") / "presets"
+    return sorted([p.name.removesuffix(".yaml") for p in files.iterdir() if p.name.endswith(".yaml")] + ["local"])
+
+
+def _yaml_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _first_error(source: str, error: ValidationError) -> ClusterError:
+    err = error.errors()[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    path = _yaml_path(loc)
+    if err["type"] == "extra_forbidden":
+        message = f"unknown field (units belong in field names: *_bytes, *_gbps, *_us, peak_tflops)"
+    elif err["type"] == "missing":
+        message = "required field is missing"
+    else:
+        message = f"{err['msg']} (got {err.get('input')!r})"
+    more = len(error.errors()) - 1
+    suffix = f" [and {more} more problem{'s' * (more > 1)}]" if more else ""
+    return ClusterError(f"{source}: {path}: {message}{suffix}")
+
+
+def _link(spec: LinkSpec | None) -> Link | None:
+    if spec is None:
+        return None
+    return Link(bandwidth_bytes_per_s=spec.bandwidth_gbps * 1e9, latency_s=spec.latency_us * 1e-6)
+
+
+def cluster_from_spec(spec: ClusterSpec, source: str = "cluster") -> Cluster:
+    """Check cross-references in a validated spec and build the :class:`Cluster`."""
+    names = [h.name for h in spec.hosts]
+    for i, host in enumerate(spec.hosts):
+        if host.device_type not in spec.device_types:
+            raise ClusterError(
+                f"{source}: hosts[{i}].device_type: unknown device type {host.device_type!r}; "
+                f"defined: {sorted(spec.device_types)}"
+            )
+        if names.index(host.name) != i:
+            raise ClusterError(f"{source}: hosts[{i}].name: duplicate host name {host.name!r}")
+    racks = {h.rack or h.name for h in spec.hosts}
+    overrides = {}
+    for i, override in enumerate(spec.network.overrides):
+        for j, end in enumerate(override.between):
+            if end not in names and end not in racks:
+                raise ClusterError(f"{source}: network.overrides[{i}].between[{j}]: no host or rack named {end!r}")
+        overrides[frozenset(override.between)] = Link(
+            bandwidth_bytes_per_s=override.bandwidth_gbps * 1e9, latency_s=override.latency_us * 1e-6
+        )
+    counts = {h.name: h.count for h in spec.hosts}
+    for i, ref in enumerate(spec.unavailable):
+        host, _, index = ref.partition("/")
+        if host not in counts or not index.isdigit() or int(index) >= counts[host]:
+            raise ClusterError(
+                f"{source}: unavailable[{i}]: {ref!r} is not a device; expected 'host/index' with index < the host's count"
+            )
+    if len(set(spec.unavailable)) >= sum(counts.values()):
+        raise ClusterError(f"{source}: unavailable: every device is unavailable; a cluster needs at least one device")
+    if len({h.rack or h.name for h in spec.hosts}) > 1 and spec.network.cluster is None and not overrides:
+        raise ClusterError(f"{source}: network.cluster: required when hosts sit in more than one rack")
+    if len(spec.hosts) > 1 and spec.network.rack is None and spec.network.cluster is None:
+        raise ClusterError(f"{source}: network: a cluster with several hosts needs a rack or cluster link")
+    return Cluster(
+        name=spec.name,
+        device_types={
+            name: DeviceType(
+                name=name,
+                peak_flops={dtype: tflops * 1e12 for dtype, tflops in dt.peak_tflops.items()},
+                memory_bytes=dt.memory_bytes,
+                memory_bandwidth_bytes_per_s=dt.memory_bandwidth_gbps * 1e9,
+            )
+            for name, dt in spec.device_types.items()
+        },
+        hosts=tuple(
+            Host(
+                name=h.name,
+                device_type=h.device_type,
+                count=h.count,
+                rack=h.rack or h.name,
+                intra_link=_link(h.intra_link),
+            )
+            for h in spec.hosts
+        ),
+        rack_link=_link(spec.network.rack),
+        cluster_link=_link(spec.network.cluster),
+        overrides=overrides,
+        unavailable=frozenset(spec.unavailable),
+        shared_cores=spec.shared_cores,
+    )
+
+
+def parse_cluster(data: object, source: str = "cluster") -> Cluster:
+    if not isinstance(data, dict):
+        raise ClusterError(f"{source}: (top level): expected a mapping with name, device_types and hosts")
+    try:
+        spec = ClusterSpec.model_validate(data)
+    except ValidationError as error:
+        raise _first_error(source, error) from None
+    return cluster_from_spec(spec, source)
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A cluster from a preset name (see :func:`preset_names`), a YAML file, or ``"local"``.
+
+    Raises:
+      ClusterError: with a one-line message naming the bad field.
+
+    Example:
+      >>> load_cluster("a100x8").counts_by_type()
+      {'a100': 8}
+    """
+    text = str(name_or_path)
+    if text == "local":
+        from orchestrator.cluster._local import local_cluster
+
+        return local_cluster()
+    path = Path(text)
+    if not path.suffix and not path.exists():
+        preset = resources.files("orchestrator.cluster") / "presets" / f"{text}.yaml"
+        if not preset.is_file():
+            raise ClusterError(
+                f"unknown cluster preset {text!r}; presets: {', '.join(preset_names())}, or a YAML file path"
+            )
+        source, raw = f"preset {text}", preset.read_text()
+    else:
+        if not path.is_file():
+            raise ClusterError(f"{text}: no such file")
+        source, raw = str(path), path.read_text()
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ClusterError(f"{source}: not valid YAML{where}: {getattr(error, 'problem', error)}") from None
+    return parse_cluster(data, source)

@@ -1,0 +1,73 @@
+"""The ``local`` cluster: this machine's jax devices, measured.
+
+Virtual CPU devices (``--xla_force_host_platform_device_count``) share the
+machine's cores; the cluster records that in ``shared_cores`` so the cost
+model can divide the machine's throughput among devices that run at once.
+Peak FLOP/s and memory bandwidth are measured once per process with a
+compiled matmul and a copy (medians of a few runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orchestrator.cluster._model import Cluster, DeviceType, Host, Link
+
+
+def _median_seconds(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+@functools.cache
+def measure_local_device(size: int = 1024) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) of the first local device, fp32."""
+    device = jax.devices()[0]
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+    matmul = jax.jit(lambda x: x @ x)
+    flops = 2 * size**3 / _median_seconds(matmul, a)
+    big = jax.device_put(jnp.ones((8 * size, size), jnp.float32), device)
+    copy = jax.jit(lambda x: x * 1.0001)
+    bandwidth = 2 * big.nbytes / _median_seconds(copy, big)
+    return flops, bandwidth
+
+
+def local_cluster() -> Cluster:
+    devices = jax.devices()
+    kind = devices[0].device_kind or devices[0].platform
+    flops, bandwidth = measure_local_device()
+    try:
+        import psutil
+
+        memory = psutil.virtual_memory().total
+    except ImportError:  # pragma: no cover - psutil ships with our dependencies
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = devices[0].platform == "cpu"
+    per_device_memory = memory // len(devices) if cpu else memory
+    dtype = DeviceType(
+        name=kind,
+        peak_flops={"float32": flops},
+        memory_bytes=int(per_device_memory),
+        memory_bandwidth_bytes_per_s=bandwidth,
+    )
+    # Devices of one process exchange data through host memory.
+    link = Link(bandwidth_bytes_per_s=bandwidth / 2, latency_s=5e-6)
+    return Cluster(
+        name="local",
+        device_types={kind: dtype},
+        hosts=(Host(name="localhost", device_type=kind, count=len(devices), rack="localhost", intra_link=link),),
+        rack_link=None,
+        cluster_link=None,
+        shared_cores=(os.cpu_count() or 1) if cpu else None,
+    )

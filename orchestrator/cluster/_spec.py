@@ -1,0 +1,83 @@
+"""The cluster file schema (pydantic), checked where user files come in.
+
+Units are part of every field name:
+  ``*_bytes``  bytes;  ``*_gbps``  gigabytes per second (10⁹ B/s, as GPU and
+  interconnect datasheets quote GB/s);  ``*_us``  microseconds;
+  ``peak_tflops``  10¹² floating-point operations per second, per dtype.
+
+Example (a shortened ``mixed-a100-v100``)::
+
+    name: mixed-a100-v100
+    device_types:
+      a100: {peak_tflops: {float32: 19.5, bfloat16: 312}, memory_bytes: 85899345920, memory_bandwidth_gbps: 2039}
+    hosts:
+      - {name: a100-0, device_type: a100, count: 8, rack: rack-a, intra_link: {bandwidth_gbps: 300, latency_us: 2}}
+    network:
+      rack: {bandwidth_gbps: 25, latency_us: 5}
+      cluster: {bandwidth_gbps: 12.5, latency_us: 10}
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LinkSpec(_Strict):
+    """One link level: bandwidth per direction between two devices, and latency."""
+
+    bandwidth_gbps: float = Field(gt=0, description="GB/s per direction")
+    latency_us: float = Field(ge=0, description="microseconds")
+
+
+class DeviceTypeSpec(_Strict):
+    peak_tflops: dict[str, float] = Field(min_length=1, description="TFLOP/s by dtype, e.g. {float32: 19.5}")
+    memory_bytes: int = Field(gt=0)
+    memory_bandwidth_gbps: float = Field(gt=0, description="GB/s")
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _positive_and_known(cls, value: dict[str, float]) -> dict[str, float]:
+        known = {"float64", "float32", "tfloat32", "bfloat16", "float16", "float8", "int8"}
+        for dtype, tflops in value.items():
+            if dtype not in known:
+                raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(known)}")
+            if not tflops > 0:
+                raise ValueError(f"peak for {dtype} must be > 0 TFLOP/s, got {tflops}")
+        return value
+
+
+class HostSpec(_Strict):
+    name: str = Field(min_length=1)
+    device_type: str
+    count: int = Field(gt=0, description="devices on this host")
+    rack: str | None = Field(default=None, description="hosts sharing a rack use the network's rack level")
+    intra_link: LinkSpec
+
+
+class OverrideSpec(_Strict):
+    """A link between two named hosts or racks that differs from its level's default."""
+
+    between: tuple[str, str]
+    bandwidth_gbps: float = Field(gt=0)
+    latency_us: float = Field(ge=0)
+
+
+class NetworkSpec(_Strict):
+    rack: LinkSpec | None = Field(default=None, description="between hosts in the same rack")
+    cluster: LinkSpec | None = Field(default=None, description="between hosts in different racks")
+    overrides: list[OverrideSpec] = Field(default_factory=list)
+
+
+class ClusterSpec(_Strict):
+    name: str = Field(min_length=1)
+    device_types: dict[str, DeviceTypeSpec] = Field(min_length=1)
+    hosts: list[HostSpec] = Field(min_length=1)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+    unavailable: list[str] = Field(default_factory=list, description='devices out of service, as "host/index"')
+    shared_cores: int | None = Field(
+        default=None, gt=0, description="set when all devices share this many CPU cores (virtual devices)"
+    )

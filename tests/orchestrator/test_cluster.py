@@ -1,0 +1,170 @@
+import copy
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.cluster import ClusterError, load_cluster, parse_cluster, preset_names
+
+GOOD = {
+    "name": "two-hosts",
+    "device_types": {
+        "a100": {"peak_tflops": {"float32": 19.5}, "memory_bytes": 80 * 2**30, "memory_bandwidth_gbps": 2039}
+    },
+    "hosts": [
+        {
+            "name": "h0",
+            "device_type": "a100",
+            "count": 4,
+            "rack": "r0",
+            "intra_link": {"bandwidth_gbps": 300, "latency_us": 2},
+        },
+        {
+            "name": "h1",
+            "device_type": "a100",
+            "count": 4,
+            "rack": "r1",
+            "intra_link": {"bandwidth_gbps": 300, "latency_us": 2},
+        },
+    ],
+    "network": {"rack": {"bandwidth_gbps": 25, "latency_us": 5}, "cluster": {"bandwidth_gbps": 12.5, "latency_us": 15}},
+}
+
+
+def _with(edit):
+    data = copy.deepcopy(GOOD)
+    edit(data)
+    return data
+
+
+def test_presets_load_with_their_device_counts():
+    expected = {
+        "a100x8": {"a100": 8},
+        "h100x16": {"h100": 16},
+        "mixed-a100-v100": {"a100": 16, "v100": 16},
+        "mixed-4type-64": {"h100": 16, "a100": 16, "v100": 16, "l4": 16},
+        "mixed-4type-512": {"h100": 128, "a100": 128, "v100": 128, "l4": 128},
+        "tpu-v4-16": {"tpu-v4": 16},
+    }
+    assert set(expected) | {"local"} == set(preset_names())
+    for name, counts in expected.items():
+        assert load_cluster(name).counts_by_type() == counts
+
+
+def test_local_cluster_comes_from_jax_devices():
+    import jax
+
+    cluster = load_cluster("local")
+    assert len(cluster.devices()) == len(jax.devices()) == 8
+    assert cluster.shared_cores is not None  # virtual CPU devices share the machine's cores
+    [dtype] = cluster.device_types.values()
+    assert dtype.peak("float32") > 1e8
+
+
+def test_link_levels_follow_the_hierarchy():
+    cluster = load_cluster("mixed-a100-v100")
+    d = cluster.devices()
+    assert cluster.level(d[0], d[1]) == "host"
+    assert cluster.level(d[0], d[8]) == "rack"
+    assert cluster.level(d[0], d[16]) == "cluster"
+    assert cluster.link(d[0], d[1]).bandwidth_bytes_per_s == 300e9
+    assert cluster.link(d[0], d[8]).bandwidth_bytes_per_s == 25e9
+    assert cluster.link(d[0], d[16]).bandwidth_bytes_per_s == 12.5e9
+    assert cluster.slowest_link(d[:16]).bandwidth_bytes_per_s == 25e9
+    assert cluster.link(d[0], d[16]).time_s(12.5e9) == pytest.approx(1.0 + 15e-6)
+
+
+def test_overrides_and_unavailable_devices():
+    data = _with(
+        lambda d: (
+            d["network"].update(overrides=[{"between": ["h0", "h1"], "bandwidth_gbps": 50, "latency_us": 1}]),
+            d.update(unavailable=["h1/3"]),
+        )
+    )
+    cluster = parse_cluster(data)
+    devices = cluster.devices()
+    assert len(devices) == 7
+    assert cluster.link(devices[0], devices[4]).bandwidth_bytes_per_s == 50e9
+
+
+BAD = {
+    "missing hosts": (lambda d: d.pop("hosts"), "hosts: required field is missing"),
+    "missing memory": (
+        lambda d: d["device_types"]["a100"].pop("memory_bytes"),
+        "device_types.a100.memory_bytes: required",
+    ),
+    "negative bandwidth": (
+        lambda d: d["network"]["rack"].update(bandwidth_gbps=-25),
+        "network.rack.bandwidth_gbps: Input should be greater than 0",
+    ),
+    "zero devices": (lambda d: d["hosts"][1].update(count=0), "hosts[1].count: Input should be greater than 0"),
+    "unknown device type": (
+        lambda d: d["hosts"][0].update(device_type="b200"),
+        "hosts[0].device_type: unknown device type 'b200'",
+    ),
+    "unit-less bandwidth": (
+        lambda d: d["hosts"][0]["intra_link"].update(bandwidth=300),
+        "hosts[0].intra_link.bandwidth: unknown field (units belong in field names",
+    ),
+    "units in the value": (
+        lambda d: d["network"]["cluster"].update(bandwidth_gbps="100 Gb/s"),
+        "network.cluster.bandwidth_gbps: Input should be a valid number",
+    ),
+    "negative latency": (lambda d: d["network"]["cluster"].update(latency_us=-1), "network.cluster.latency_us"),
+    "zero peak": (
+        lambda d: d["device_types"]["a100"]["peak_tflops"].update(float32=0),
+        "device_types.a100.peak_tflops",
+    ),
+    "unknown dtype": (lambda d: d["device_types"]["a100"]["peak_tflops"].update(fp32=19.5), "unknown dtype 'fp32'"),
+    "duplicate host": (lambda d: d["hosts"][1].update(name="h0"), "hosts[1].name: duplicate host name 'h0'"),
+    "bad unavailable ref": (lambda d: d.update(unavailable=["h0/9"]), "unavailable[0]: 'h0/9' is not a device"),
+    "all unavailable": (
+        lambda d: d.update(unavailable=[f"h{h}/{i}" for h in range(2) for i in range(4)]),
+        "every device is unavailable",
+    ),
+    "override to nowhere": (
+        lambda d: d["network"].update(overrides=[{"between": ["h0", "h7"], "bandwidth_gbps": 1, "latency_us": 1}]),
+        "network.overrides[0].between[1]: no host or rack named 'h7'",
+    ),
+    "no inter-rack link": (lambda d: d["network"].pop("cluster"), "network.cluster: required"),
+    "no device types": (lambda d: d.update(device_types={}), "device_types: Dictionary should have at least 1 item"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_cluster_files_fail_with_one_line_naming_the_field(case, tmp_path):
+    edit, expected = BAD[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_with(edit)))
+    with pytest.raises(ClusterError) as info:
+        load_cluster(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(path))
+    assert expected in message
+    result = CliRunner().invoke(app, ["cluster", "show", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {message}"
+
+
+def test_not_yaml_and_not_a_mapping(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    with pytest.raises(ClusterError, match="not valid YAML at line"):
+        load_cluster(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ClusterError, match="expected a mapping"):
+        load_cluster(scalar)
+    with pytest.raises(ClusterError, match="no such file"):
+        load_cluster(tmp_path / "missing.yaml")
+    with pytest.raises(ClusterError, match="unknown cluster preset 'a100x9'"):
+        load_cluster("a100x9")
+
+
+def test_cluster_show_prints_the_preset():
+    result = CliRunner().invoke(app, ["cluster", "show", "mixed-a100-v100"])
+    assert result.exit_code == 0, result.output
+    assert "v100-1" in result.stdout and "rack-a" in result.stdout
+    assert "32 devices in service" in result.stdout
