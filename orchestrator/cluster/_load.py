@@ -38,7 +38,7 @@ def _first_error(source: str, error: ValidationError) -> ClusterError:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     path = _yaml_path(loc)
     if err["type"] == "extra_forbidden":
-        message = f"unknown field (units belong in field names: *_bytes, *_gbps, *_us, peak_tflops)"
+        message = "unknown field (units belong in field names: *_bytes, *_gbps, *_us, peak_tflops)"
     elif err["type"] == "missing":
         message = "required field is missing"
     else:
