@@ -230,6 +230,7 @@ class _Walker:
                 bytes_written=sum(t.nbytes for t in outputs) * repeats,
                 param_bytes=sum(self.graph.params[path].nbytes for path in first_read),
                 param_paths=tuple(first_read),
+                param_reads=tuple(dict.fromkeys(self.param_paths[s.param] for s in sources if s.param is not None)),
                 scope=scope,
                 phase=self.phase(under_transpose, under_jvp),
                 repeats=repeats,

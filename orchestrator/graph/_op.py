@@ -99,6 +99,8 @@ class Op:
         summed over a graph it gives the model's parameter bytes exactly.
       param_paths: those parameters, as paths below the parameter root
         (``"blocks_3/attn/c_attn/kernel"``).
+      param_reads: every parameter the op reads directly, first read or not
+        (a backward matmul reads the kernel its forward matmul read first).
       scope: module scope path such as ``"GPT/blocks_3/attn"`` (``""`` if none).
       phase: forward, backward or optimizer.
       repeats: how many times the op runs per step (loop trip counts multiplied).
@@ -115,6 +117,7 @@ class Op:
     bytes_written: int = 0
     param_bytes: int = 0
     param_paths: tuple[str, ...] = ()
+    param_reads: tuple[str, ...] = ()
     scope: str = ""
     phase: Phase = "forward"
     repeats: int = 1
@@ -140,6 +143,7 @@ class Op:
             "bytes_written": self.bytes_written,
             "param_bytes": self.param_bytes,
             "param_paths": list(self.param_paths),
+            "param_reads": list(self.param_reads),
             "scope": self.scope,
             "phase": self.phase,
             "repeats": self.repeats,
@@ -159,6 +163,7 @@ class Op:
             bytes_written=int(data["bytes_written"]),
             param_bytes=int(data["param_bytes"]),
             param_paths=tuple(data["param_paths"]),
+            param_reads=tuple(data["param_reads"]),
             scope=data["scope"],
             phase=data["phase"],
             repeats=int(data["repeats"]),
