@@ -55,6 +55,14 @@ class Recipe:
         """The TrainState as ``jax.ShapeDtypeStruct`` leaves; allocates nothing."""
         return jax.eval_shape(lambda rng: self.create_state(rng, learning_rate=learning_rate), jax.random.key(0))
 
+    def param_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """Logical axis names of every parameter (``"blocks_0/mlp/c_fc/kernel": ("embed", "mlp")``)."""
+        from integrations.flax import param_logical_axes
+
+        example = jax.ShapeDtypeStruct((1, min(self.seq_len, 8)), jnp.int32)
+        boxed = jax.eval_shape(self.model().init, jax.random.key(0), example)
+        return param_logical_axes(boxed["params"])
+
     train_step = staticmethod(train_step)
 
 

@@ -1,6 +1,17 @@
 """JAX/Flax integration: capture a training step into Orchestrator's op-graph."""
 
-from integrations.flax._capture import CaptureWarning, capture, is_param_path, parse_name_stack
-from integrations.flax._xla import xla_flops
+from integrations.flax._capture import CaptureWarning, capture, is_param_path, param_logical_axes, parse_name_stack
+from integrations.flax._xla import XlaFlops, XlaProgram, hlo_collective_bytes, xla_flops, xla_program
 
-__all__ = ["CaptureWarning", "capture", "is_param_path", "parse_name_stack", "xla_flops"]
+__all__ = [
+    "CaptureWarning",
+    "XlaFlops",
+    "XlaProgram",
+    "capture",
+    "hlo_collective_bytes",
+    "is_param_path",
+    "param_logical_axes",
+    "parse_name_stack",
+    "xla_flops",
+    "xla_program",
+]

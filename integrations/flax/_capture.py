@@ -306,8 +306,10 @@ def capture(
     """
     closed = trace(fn, *example_args)
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(example_args)[0]
-    params, sources = {}, []
+    params, sources, optimizer_state_bytes = {}, [], 0
     for path, leaf in leaves_with_paths:
+        if "opt_state" in (_key_name(k) for k in path):
+            optimizer_state_bytes += _spec(leaf).nbytes
         if is_param(path):
             sources.append(_Source(param=len(params)))
             name = param_path_name(path)
@@ -319,10 +321,32 @@ def capture(
     graph = OpGraph(
         name=name or getattr(fn, "__name__", "fn"),
         params=params,
-        meta={"framework": "jax", "jax_version": jax.__version__},
+        meta={
+            "framework": "jax",
+            "jax_version": jax.__version__,
+            "optimizer_state_bytes": optimizer_state_bytes,
+        },
     )
     walker = _Walker(graph, list(params))
     walker.walk(closed.jaxpr, sources, stack="", repeats=1)
     graph.meta["unknown_primitives"] = dict(walker.unknown)
     graph.meta["while_loops_counted_once"] = walker.while_loops
     return graph
+
+
+def param_logical_axes(boxed_params) -> dict[str, tuple[str | None, ...]]:
+    """Logical axis names of every parameter, by path, from ``nn.Partitioned`` boxes.
+
+    Pass what ``jax.eval_shape(model.init, ...)`` returns (boxes intact);
+    unboxed parameters get ``()``.
+
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> dense = nn.Dense(4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))
+    >>> param_logical_axes(jax.eval_shape(dense.init, jax.random.key(0), jnp.ones((1, 2)))["params"])
+    {'bias': (), 'kernel': ('embed', 'mlp')}
+    """
+    import flax.linen as nn
+
+    specs = nn.get_partition_spec(boxed_params)
+    leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))[0]
+    return {param_path_name(path): tuple(spec) for path, spec in leaves}

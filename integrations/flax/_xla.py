@@ -15,6 +15,7 @@ slice to full size, which adds O(T²) work that the rolled loop never does.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,3 +76,73 @@ def xla_flops(fn: Callable, *args) -> XlaFlops:
         count += 1
         nested = nested or inside
     return XlaFlops(flops=total, raw_flops=raw, scans=count, nested_scans=nested)
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8\w*)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        size = 1
+        for d in dims.split(","):
+            if d:
+                size *= int(d)
+        total += size * _BYTES.get(dtype, 8 if dtype in ("s64", "u64", "f64") else 1)
+    return total
+
+
+def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Operand bytes of every collective in an optimized HLO module, by kind.
+
+    Shapes in an SPMD-partitioned module are per device, so these are the
+    bytes each device contributes. Async pairs are counted once, at ``-start``.
+    """
+    shapes: dict[str, int] = {}
+    calls: list[tuple[str, str]] = []
+    for line in hlo_text.splitlines():
+        match = _DEF.match(line)
+        if not match:
+            continue
+        name, shape, opcode, rest = match.groups()
+        shapes[name] = _shape_bytes(shape)
+        kind = opcode.removesuffix("-start")
+        if kind in _COLLECTIVES and not opcode.endswith("-done"):
+            calls.append((kind, rest))
+    out = dict.fromkeys(_COLLECTIVES, 0)
+    for kind, rest in calls:
+        operands = rest.split(")", 1)[0]  # "%a, %b, /*index=5*/%c"
+        out[kind] += sum(shapes.get(name, 0) for name in re.findall(r"%([\w.\-]+)", operands))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class XlaProgram:
+    """What XLA compiled for one sharded function: collectives and per-device memory."""
+
+    collective_bytes: dict[str, int]
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Per-device peak as XLA reports it: arguments + temporaries + outputs − aliases."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+def xla_program(jitted, *args) -> XlaProgram:
+    """Compile a ``jax.jit``-wrapped (sharded) function and read its collectives and memory."""
+    compiled = jitted.lower(*args).compile()
+    memory = compiled.memory_analysis()
+    return XlaProgram(
+        collective_bytes=hlo_collective_bytes(compiled.as_text()),
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+    )

@@ -35,13 +35,15 @@ from orchestrator.graph import OpGraph
 _BLOCK = re.compile(r"^(.*?)_(\d+)(?:_.*)?$")
 
 
-def coarsen(graph: OpGraph, *, fallback_layers: int = 8) -> LayerGraph:
+def coarsen(graph: OpGraph, *, fallback_layers: int = 8, by_scope: bool = True) -> LayerGraph:
     """Group ``graph``'s ops into layers (see the module docstring for the rules).
 
     Args:
       graph: a captured op-graph.
       fallback_layers: number of balanced groups when the graph has no usable
-        module scopes.
+        module scopes (or when ``by_scope`` is False).
+      by_scope: group by module scope; False forces balanced cuts
+        (``fallback_layers=1`` then makes the whole graph one layer).
 
     Returns:
       The :class:`LayerGraph`; its layers' ``param_bytes`` add up to the
@@ -58,7 +60,7 @@ def coarsen(graph: OpGraph, *, fallback_layers: int = 8) -> LayerGraph:
     ordered_units = list(
         dict.fromkeys(u for op, u in units.items() if u is not None and graph.op(op).phase == "forward")
     )
-    if len(ordered_units) >= 2:
+    if by_scope and len(ordered_units) >= 2:
         names, layer_of_unit = _group_units(ordered_units)
         names = [f"{root}/{name}" if root else name for name in names]
         assignment = {op: layer_of_unit[u] for op, u in units.items() if u in layer_of_unit}

@@ -74,6 +74,7 @@ def liveness(
     position = {name: i for i, name in enumerate(order)}
     g = graph.nx
     readers = {n: [c for c in g.successors(n) if c in members] for n in order}
+
     def is_materialized(n: str) -> bool:
         if not readers[n] or not fusible(graph, n) or any(not fusible(graph, c) for c in readers[n]):
             return True

@@ -1,0 +1,251 @@
+"""Per-layer costs: time, memory and communication for each device type and parallel configuration.
+
+For layer ℓ captured with batch B, run with microbatch m on a device of type d
+under tensor-parallel degree t and data-parallel degree p (see ``_sharding``
+for which ops tensor parallelism splits, ``_liveness`` for activation memory):
+
+    time_phase(ℓ, d)  = Σ_{op ∈ ℓ, phase} t_d(op) · (1/t if op is split) · (m/B if op is batch-dependent)
+    backward          += forward  when the layer recomputes its forward pass
+    TP communication  = Σ_{all-reduced op ∈ ℓ} AR(bytes(op) · m/B, t)       (forward again under recompute)
+    DP gradient sync  = AR(G, p)  or  RS(G, p) + AG(G, p)   with G = local gradient bytes
+    parameters        = Σ_params bytes · (1/t if TP-sharded);   gradients the same
+    optimizer state   = parameters · (optimizer bytes / parameter bytes) · (1/p under ZeRO)
+    activations       = bytes live at the forward→backward boundary, per in-flight microbatch
+                        (only the layer's input under recompute)
+    transient         = peak of the layer's own forward+backward minus the above
+
+Identical layers (same signature) share every entry: costs are cached by
+(signature, device type, configuration, links).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from orchestrator.cluster import Cluster, Link
+from orchestrator.coarsen import LayerGraph
+from orchestrator.costs import _collectives as coll
+from orchestrator.costs._liveness import liveness
+from orchestrator.costs._roofline import Efficiency, op_time_s
+from orchestrator.costs._sharding import DEFAULT_TP_AXES, tensor_parallel_traits
+from orchestrator.graph import OpGraph
+
+DataParallelSync = Literal["all_reduce", "reduce_scatter"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    """How one layer (or stage) runs: tensor/data-parallel degrees, microbatch, recompute, ZeRO."""
+
+    tp: int = 1
+    dp: int = 1
+    microbatch_size: int = 1
+    recompute: bool = False
+    zero: bool = False
+    dp_sync: DataParallelSync = "all_reduce"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "microbatch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerCost:
+    """Costs of one layer on one device of a given type under one configuration (per microbatch)."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    tp_comm_s: float
+    dp_sync_s: float
+    tp_allreduce_bytes: float  # per device per microbatch, forward + backward
+    dp_sync_bytes: float  # local gradient bytes synchronised per step
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # kept per in-flight microbatch
+    transient_bytes: float
+    output_activation_bytes: float  # sent to the next layer per microbatch
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+
+    def memory_bytes(self, in_flight_microbatches: int = 1) -> float:
+        """Per-device memory with ``in_flight_microbatches`` activations kept."""
+        static = self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return static + self.activation_bytes * in_flight_microbatches + self.transient_bytes
+
+
+class CostModel:
+    """Costs every layer of a captured step on every device type of a cluster.
+
+    Args:
+      graph: the captured training step.
+      layers: its layers (:func:`orchestrator.coarsen.coarsen`).
+      cluster: device types and links.
+      batch_size: samples in the captured step (what ``m / B`` scales by).
+      param_axes: logical axis names per parameter path (enables TP > 1).
+      tp_axes: logical axes the tensor-parallel mesh axis shards.
+      efficiency: per device type; defaults to :class:`Efficiency`'s.
+    """
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        layers: LayerGraph,
+        cluster: Cluster,
+        *,
+        batch_size: int,
+        param_axes: Mapping[str, Sequence[str | None]] | None = None,
+        tp_axes: frozenset[str] = DEFAULT_TP_AXES,
+        efficiency: Mapping[str, Efficiency] | None = None,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.graph, self.layers, self.cluster = graph, layers, cluster
+        self.batch_size = batch_size
+        self.efficiency = dict(efficiency or {})
+        self.traits = tensor_parallel_traits(graph, param_axes or {}, tp_axes)
+        self.tensor_parallel = bool(param_axes)
+        param_shapes = {spec.shape for spec in graph.params.values()}
+        self._batch_dependent = {
+            op.name: op.phase != "optimizer"
+            and not self.traits.is_param_derived(op.name)
+            and op.outputs[:1] != ()
+            and op.outputs[0].shape not in param_shapes
+            for op in graph.ops()
+        }
+        opt_bytes = float(graph.meta.get("optimizer_state_bytes", 0))
+        self.optimizer_ratio = opt_bytes / graph.param_bytes if graph.param_bytes else 0.0
+
+    # -- helpers ------------------------------------------------------------
+    def efficiency_of(self, device_type: str) -> Efficiency:
+        return self.efficiency.get(device_type, Efficiency())
+
+    def default_link(self, device_type: str) -> Link:
+        for host in self.cluster.hosts:
+            if host.device_type == device_type:
+                return host.intra_link
+        raise KeyError(f"no host of device type {device_type!r} in cluster {self.cluster.name!r}")
+
+    def _scale(self, name: str, tp: int, microbatch: int) -> float:
+        s = 1.0 / tp if name in self.traits.split_ops or self.traits.roles[name] == "sharded" else 1.0
+        if self._batch_dependent[name]:
+            s *= microbatch / self.batch_size
+        return s
+
+    @functools.cache  # noqa: B019 - one model per planning run; entries are per signature
+    def _phase_times(self, index: int, device_type: str) -> dict[tuple[str, bool, bool], float]:
+        """Unscaled op times summed by (phase, split by TP, batch-dependent)."""
+        device = self.cluster.device_types[device_type]
+        eff = self.efficiency_of(device_type)
+        times: dict[tuple[str, bool, bool], float] = defaultdict(float)
+        for name in self.layers[index].ops:
+            op = self.graph.op(name)
+            compute, memory = op_time_s(op, device, eff)
+            key = (op.phase, name in self.traits.split_ops, self._batch_dependent[name])
+            times[key] += max(compute, memory)
+        return dict(times)
+
+    def _phase_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
+        total = 0.0
+        for (ph, split, batch_dep), t in self._phase_times(index, device_type).items():
+            if ph == phase:
+                total += t * (1 / tp if split else 1) * (microbatch / self.batch_size if batch_dep else 1)
+        return total
+
+    def tp_allreduce_bytes(self, index: int, microbatch: int) -> dict[str, float]:
+        """Per-device operand bytes of the layer's TP all-reduces, by phase."""
+        out: dict[str, float] = defaultdict(float)
+        for name in self.layers[index].ops:
+            if name in self.traits.allreduce_ops:
+                op = self.graph.op(name)
+                out[op.phase] += sum(t.nbytes for t in op.outputs) * self._scale_batch(name, microbatch)
+        return dict(out)
+
+    def _scale_batch(self, name: str, microbatch: int) -> float:
+        return microbatch / self.batch_size if self._batch_dependent[name] else 1.0
+
+    def local_param_bytes(self, index: int, tp: int) -> float:
+        total = 0.0
+        for path in self.layers[index].params:
+            nbytes = self.graph.params[path].nbytes
+            total += nbytes / tp if self.traits.param_roles[path] in ("column", "row") else nbytes
+        return total
+
+    @functools.cache  # noqa: B019
+    def _memory(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
+        """(activation bytes kept per microbatch, transient bytes) from liveness."""
+        ops = [n for n in self.layers[index].ops if self.graph.op(n).phase != "optimizer"]
+        result = liveness(
+            self.graph,
+            ops,
+            scale=lambda n: self._scale(n, tp, microbatch),
+            allreduced=self.traits.allreduce_ops if tp > 1 else frozenset(),
+        )
+        kept = result.boundary_bytes
+        return kept, max(0.0, result.peak_bytes - result.output_bytes - kept)
+
+    # -- the entry point ------------------------------------------------------
+    def layer_cost(
+        self,
+        index: int,
+        device_type: str,
+        config: ParallelConfig,
+        *,
+        tp_link: Link | None = None,
+        dp_link: Link | None = None,
+    ) -> LayerCost:
+        """Costs of layer ``index`` on one ``device_type`` device under ``config``."""
+        if config.tp > 1 and not self.tensor_parallel:
+            raise ValueError("tensor parallelism needs param_axes (logical axis names of the parameters)")
+        if device_type not in self.cluster.device_types:
+            raise KeyError(f"unknown device type {device_type!r}; the cluster has {sorted(self.cluster.device_types)}")
+        tp_link = tp_link or self.default_link(device_type)
+        dp_link = dp_link or self.default_link(device_type)
+        m, t = config.microbatch_size, config.tp
+        forward = self._phase_time(index, device_type, "forward", t, m)
+        backward = self._phase_time(index, device_type, "backward", t, m)
+        optimizer = self._phase_time(index, device_type, "optimizer", t, m)
+        if config.zero:
+            optimizer /= config.dp
+        if config.recompute:
+            backward += forward
+        ar = self.tp_allreduce_bytes(index, m) if t > 1 else {}
+        tp_fwd, tp_bwd = ar.get("forward", 0.0), ar.get("backward", 0.0)
+        if config.recompute:
+            tp_bwd += tp_fwd
+        tp_comm = coll.all_reduce_s(tp_fwd, t, tp_link) + coll.all_reduce_s(tp_bwd, t, tp_link)
+        params = self.local_param_bytes(index, t)
+        if config.dp_sync == "all_reduce" and not config.zero:
+            dp_sync = coll.all_reduce_s(params, config.dp, dp_link)
+        else:
+            dp_sync = coll.reduce_scatter_s(params, config.dp, dp_link) + coll.all_gather_s(params, config.dp, dp_link)
+        kept, transient = self._memory(index, t, m)
+        layer = self.layers[index]
+        if config.recompute:
+            transient += kept
+            kept = self._input_bytes(index) * m / self.batch_size
+        optimizer_bytes = params * self.optimizer_ratio / (config.dp if config.zero else 1)
+        return LayerCost(
+            forward_s=forward,
+            backward_s=backward,
+            optimizer_s=optimizer,
+            tp_comm_s=tp_comm,
+            dp_sync_s=dp_sync,
+            tp_allreduce_bytes=tp_fwd + tp_bwd,
+            dp_sync_bytes=params if config.dp > 1 else 0.0,
+            param_bytes=params,
+            grad_bytes=params,
+            optimizer_bytes=optimizer_bytes,
+            activation_bytes=kept,
+            transient_bytes=transient,
+            output_activation_bytes=layer.activation_bytes * m / self.batch_size,
+            breakdown={"tp_forward_bytes": tp_fwd, "tp_backward_bytes": tp_bwd},
+        )
+
+    def _input_bytes(self, index: int) -> float:
+        return float(sum(d["bytes"] for _, _, d in self.layers.nx.in_edges(index, data=True)))
