@@ -1,10 +1,13 @@
 """JAX/Flax integration: capture a training step into Orchestrator's op-graph."""
 
 from integrations.flax._capture import CaptureWarning, capture, is_param_path, param_logical_axes, parse_name_stack
+from integrations.flax._profile import profile_layers
+from integrations.flax._slice import SlicedStep
 from integrations.flax._xla import XlaFlops, XlaProgram, hlo_collective_bytes, xla_flops, xla_program
 
 __all__ = [
     "CaptureWarning",
+    "SlicedStep",
     "XlaFlops",
     "XlaProgram",
     "capture",
@@ -12,6 +15,7 @@ __all__ = [
     "is_param_path",
     "param_logical_axes",
     "parse_name_stack",
+    "profile_layers",
     "xla_flops",
     "xla_program",
 ]

@@ -118,3 +118,60 @@ def fidelity_cases(progress=None) -> list[Case]:
             )
         )
     return cases
+
+
+def compute_cases(recipe_name: str = "gpt2-small", batch_size: int = 1, progress=None) -> list[Case]:
+    """Per layer kind: calibrated cost-model time vs profiled CPU time (15%), and op-graph FLOPs vs XLA's (3%).
+
+    The efficiencies are fitted to the same profile (``orchestrator.profile.calibrate``),
+    so this checks how well one set of efficiencies explains every layer kind.
+    """
+    import jax
+
+    from integrations.flax import SlicedStep, capture, profile_layers
+    from integrations.flax._slice import piece_flops
+    from orchestrator.cluster import load_cluster
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel, ParallelConfig
+    from orchestrator.profile import calibrate
+    from recipes import get_recipe
+
+    recipe = get_recipe(recipe_name)
+    state, batch = recipe.abstract_state(), recipe.batch_spec(batch_size)
+    graph = capture(recipe.train_step, state, batch)
+    layers = coarsen(graph)
+    timings = profile_layers(recipe.train_step, state, batch, graph=graph, layers=layers, progress=progress)
+    cluster = load_cluster("local")
+    [device_type] = cluster.device_types
+    model = CostModel(graph, layers, cluster, batch_size=batch_size)
+    pieces = []
+    for timing in timings.values():
+        layer = next(layer for layer in layers if layer.signature == timing.signature)
+        for phase in ("forward", "backward", "optimizer"):
+            ops = [graph.op(n) for n in layer.ops if graph.op(n).phase == phase]
+            pieces.append((ops, getattr(timing, f"{phase}_s")))
+    efficiency = calibrate(pieces, cluster.device_types[device_type], model.traffic)
+    model = CostModel(graph, layers, cluster, batch_size=batch_size, efficiency={device_type: efficiency})
+    sliced = SlicedStep(recipe.train_step, state, batch, graph=graph)
+    cases = []
+    for timing in timings.values():
+        layer = next(layer for layer in layers if layer.signature == timing.signature)
+        cost = model.layer_cost(layer.index, device_type, ParallelConfig(microbatch_size=batch_size))
+        predicted = cost.forward_s + cost.backward_s + cost.optimizer_s
+        name = f"{recipe_name} {layer.name} (batch {batch_size}, {jax.devices()[0].device_kind})"
+        cases.append(
+            Case(name=name, metric="step time s", predicted=predicted, measured=timing.total_s, tolerance=0.15)
+        )
+        for phase in ("forward", "backward"):
+            ops = sliced.layer_phase_ops(layer.ops, (phase,))
+            closed, avals = sliced.piece(ops)
+            cases.append(
+                Case(
+                    name=name,
+                    metric=f"{phase} FLOPs",
+                    predicted=sum(graph.op(n).flops for n in ops),
+                    measured=piece_flops(closed, avals),
+                    tolerance=0.03,
+                )
+            )
+    return cases

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import typer
 
+from orchestrator.cli._bench import bench_app
 from orchestrator.cli._cluster import cluster_app
 from orchestrator.cli._graph import graph_command
+from orchestrator.cli._profile import profile_command
 
 app = typer.Typer(
     name="orchestrator",
@@ -20,6 +22,8 @@ app = typer.Typer(
 )
 app.command("graph")(graph_command)
 app.add_typer(cluster_app, name="cluster")
+app.command("profile")(profile_command)
+app.add_typer(bench_app, name="bench")
 
 
 @app.callback()

@@ -42,6 +42,39 @@ def fusible(graph: OpGraph, name: str) -> bool:
     return op.kind in _FUSIBLE_KINDS and op.primitive not in _UNFUSIBLE_PRIMITIVES
 
 
+def materialized_ops(graph: OpGraph, order: Iterable[str] | None = None) -> dict[str, bool]:
+    """Whether each op's output gets a buffer of its own (rules in the module docstring)."""
+    order = list(graph.nx.nodes) if order is None else list(order)
+    members = set(order)
+    readers = {n: [c for c in graph.nx.successors(n) if c in members] for n in order}
+
+    def is_materialized(n: str) -> bool:
+        if not readers[n] or not fusible(graph, n) or any(not fusible(graph, c) for c in readers[n]):
+            return True
+        if graph.op(n).primitive in _FREE_VIEWS:
+            return False
+        crosses = graph.op(n).phase == "forward" and any(graph.op(c).phase != "forward" for c in readers[n])
+        return crosses and len(readers[n]) > 1
+
+    return {n: is_materialized(n) for n in order}
+
+
+def traffic_bytes(graph: OpGraph) -> dict[str, float]:
+    """Main-memory bytes each op moves once fused: what it reads from buffers plus what it writes to one.
+
+    A value read from a fused producer is computed in registers and costs no
+    traffic; a fused op's own output is not written. All repeats included.
+    """
+    materialized = materialized_ops(graph)
+    out = {}
+    for op in graph.ops():
+        from_fused = sum(d["bytes"] for p, _, d in graph.nx.in_edges(op.name, data=True) if not materialized[p])
+        read = max(0.0, sum(t.nbytes for t in op.inputs) - from_fused)
+        written = sum(t.nbytes for t in op.outputs) if materialized[op.name] else 0.0
+        out[op.name] = (read + written) * op.repeats
+    return out
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Liveness:
     """Peak and boundary figures of one liveness pass, in (scaled) bytes.
@@ -75,15 +108,7 @@ def liveness(
     g = graph.nx
     readers = {n: [c for c in g.successors(n) if c in members] for n in order}
 
-    def is_materialized(n: str) -> bool:
-        if not readers[n] or not fusible(graph, n) or any(not fusible(graph, c) for c in readers[n]):
-            return True
-        if graph.op(n).primitive in _FREE_VIEWS:
-            return False
-        crosses = graph.op(n).phase == "forward" and any(graph.op(c).phase != "forward" for c in readers[n])
-        return crosses and len(readers[n]) > 1
-
-    materialized = {n: is_materialized(n) for n in order}
+    materialized = materialized_ops(graph, order)
     # last_use[n]: position after which n's buffer (or, if fused, its inputs) may be freed
     last_use: dict[str, int] = {}
     for n in reversed(order):

@@ -29,7 +29,7 @@ from typing import Literal
 from orchestrator.cluster import Cluster, Link
 from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
-from orchestrator.costs._liveness import liveness
+from orchestrator.costs._liveness import liveness, traffic_bytes
 from orchestrator.costs._roofline import Efficiency, op_time_s
 from orchestrator.costs._sharding import DEFAULT_TP_AXES, tensor_parallel_traits
 from orchestrator.graph import OpGraph
@@ -118,6 +118,7 @@ class CostModel:
             and op.outputs[0].shape not in param_shapes
             for op in graph.ops()
         }
+        self.traffic = traffic_bytes(graph)
         opt_bytes = float(graph.meta.get("optimizer_state_bytes", 0))
         self.optimizer_ratio = opt_bytes / graph.param_bytes if graph.param_bytes else 0.0
 
@@ -145,9 +146,8 @@ class CostModel:
         times: dict[tuple[str, bool, bool], float] = defaultdict(float)
         for name in self.layers[index].ops:
             op = self.graph.op(name)
-            compute, memory = op_time_s(op, device, eff)
             key = (op.phase, name in self.traits.split_ops, self._batch_dependent[name])
-            times[key] += max(compute, memory)
+            times[key] += op_time_s(op, device, eff, self.traffic[name])
         return dict(times)
 
     def _phase_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:

@@ -1,0 +1,56 @@
+"""``orchestrator bench fidelity``: predictions against XLA and measurements."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+bench_app = typer.Typer(help="Check predictions against external truth.", no_args_is_help=True)
+
+
+def _report(title: str, cases, as_json: bool) -> None:
+    if as_json:
+        json.dump({"cases": [c.to_json() for c in cases]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        table = Table(title=title)
+        for column in ("case", "metric", "predicted", "measured", "rel. error", "tolerance", "ok"):
+            table.add_column(column)
+        for c in cases:
+            table.add_row(
+                c.name,
+                c.metric,
+                f"{c.predicted:.6g}",
+                f"{c.measured:.6g}",
+                f"{c.rel_err:+.2%}",
+                f"{c.tolerance:.0%}",
+                "[green]yes[/green]" if c.ok else "[red]no[/red]",
+            )
+        Console().print(table)
+        missed = sum(not c.ok for c in cases)
+        Console().print(f"{len(cases) - missed}/{len(cases)} within tolerance")
+    if not all(c.ok for c in cases):
+        raise typer.Exit(code=1)
+
+
+@bench_app.command("fidelity")
+def fidelity(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...]}.")] = False,
+    compute: Annotated[
+        bool, typer.Option(help="Also profile gpt2-small and compare layer times (about a minute).")
+    ] = True,
+) -> None:
+    """Cost model vs XLA (collective bytes, peak memory) and vs profiled time; exit 1 if a tolerance is missed."""
+    from orchestrator.bench import compute_cases, fidelity_cases
+
+    console = Console(stderr=True)
+    with console.status("compiling sharded gpt2-small blocks") as status:
+        cases = fidelity_cases(progress=lambda name: status.update(f"compiling {name}"))
+        if compute:
+            cases += compute_cases(progress=lambda name: status.update(f"profiling {name}"))
+    _report("fidelity: predicted vs XLA / measured", cases, as_json)
