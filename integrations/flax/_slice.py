@@ -130,7 +130,13 @@ class SlicedStep:
         outputs = [v for i in chosen for v in self.flat[i].eqn.outvars if v in read_later]
         const_inputs = [a for a in inputs if a in self.consts]
         var_inputs = [a for a in inputs if a not in self.consts]
-        jaxpr = jcore.Jaxpr(const_inputs, var_inputs, outputs, [self.flat[i].eqn for i in chosen])
+        debug = jcore.DebugInfo(
+            "orchestrator piece",
+            "layer piece",
+            tuple(f"in{i}" for i in range(len(var_inputs))),
+            tuple(f"out{i}" for i in range(len(outputs))),
+        )
+        jaxpr = jcore.Jaxpr(const_inputs, var_inputs, outputs, [self.flat[i].eqn for i in chosen], debug_info=debug)
         closed = jcore.ClosedJaxpr(jaxpr, [self.consts[a] for a in const_inputs])
         return closed, [a.aval for a in var_inputs]
 

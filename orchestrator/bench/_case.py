@@ -27,9 +27,9 @@ class Case:
         return {
             "name": self.name,
             "metric": self.metric,
-            "predicted": self.predicted,
-            "measured": self.measured,
-            "rel_err": self.rel_err,
-            "tolerance": self.tolerance,
-            "ok": self.ok,
+            "predicted": float(self.predicted),
+            "measured": float(self.measured),
+            "rel_err": float(self.rel_err),
+            "tolerance": float(self.tolerance),
+            "ok": bool(self.ok),
         }

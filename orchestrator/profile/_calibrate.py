@@ -60,5 +60,5 @@ def calibrate(
     values = {}
     for name, used_here, c in zip(_NAMES, used, inverse):
         # unused: keep the default; fitted to zero: the class costs nothing measurable here
-        values[name] = getattr(default, name) if not used_here else (1.0 / c if c > 0.01 else 100.0)
+        values[name] = float(getattr(default, name) if not used_here else (1.0 / c if c > 0.01 else 100.0))
     return Efficiency(**values)

@@ -1,0 +1,46 @@
+import json
+
+from typer.testing import CliRunner
+
+from integrations.flax import hlo_collective_bytes
+from orchestrator.cli import app
+
+HLO = """
+ENTRY %main {
+  %p0 = f32[2,1024,768]{2,1,0} parameter(0)
+  %p1 = f32[768]{0} parameter(1)
+  %bitcast.1 = f32[2,1024,768]{2,1,0} bitcast(%p0)
+  %all-reduce = f32[2,1024,768]{2,1,0} all-reduce(%bitcast.1), channel_id=1, replica_groups=[4,2]<=[8]
+  %all-reduce.2 = (f32[768]{0}, f32[], /*index=2*/f32[768]{0}) all-reduce(%p1, %s, /*index=2*/%p1), channel_id=2
+  %s = f32[] constant(0)
+  %ag = f32[8,768]{1,0} all-gather(%p1), dimensions={0}
+  %ars = (f32[768]{0}, u32[]) all-reduce-start(%p1)
+  %ard = f32[768]{0} all-reduce-done(%ars)
+}
+"""
+
+
+def test_hlo_collective_bytes_counts_operands_once():
+    out = hlo_collective_bytes(HLO)
+    assert out["all-reduce"] == 2 * 1024 * 768 * 4 + (768 * 4 + 4 + 768 * 4) + 768 * 4
+    assert out["all-gather"] == 768 * 4  # the operand, not the gathered result
+    assert out["reduce-scatter"] == out["collective-permute"] == 0
+
+
+def test_bench_fidelity_json_reports_every_case():
+    result = CliRunner().invoke(app, ["bench", "fidelity", "--no-compute", "--json"])
+    payload = json.loads(result.stdout)
+    cases = payload["cases"]
+    assert {c["name"] for c in cases} == {
+        "gpt2-small block DP8",
+        "gpt2-small block DP4xTP2",
+        "gpt2-small block DP2xTP4",
+    }
+    for case in cases:
+        assert set(case) == {"name", "metric", "predicted", "measured", "rel_err", "tolerance", "ok"}
+    communication = [c for c in cases if c["metric"].endswith("bytes") and "memory" not in c["metric"]]
+    assert all(c["ok"] for c in communication), communication
+    memory = [c for c in cases if c["metric"] == "peak memory bytes"]
+    assert all(abs(c["rel_err"]) < 0.15 for c in memory), memory
+    # exit code 1 exactly when some case misses its tolerance
+    assert result.exit_code == (0 if all(c["ok"] for c in cases) else 1)

@@ -1,0 +1,114 @@
+"""Profiling: slicing the step per layer, timing, the disk cache, and calibration."""
+
+import jax
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from integrations.flax import SlicedStep, capture, profile_layers
+from integrations.flax._slice import example_inputs
+from orchestrator.cli import app
+from orchestrator.cluster import DeviceType
+from orchestrator.coarsen import coarsen
+from orchestrator.costs import Efficiency
+from orchestrator.graph import Op, TensorSpec
+from orchestrator.profile import LayerTiming, TimingCache, calibrate, predict
+from recipes import get_recipe
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    recipe = get_recipe("gpt-tiny")
+    state, batch = recipe.abstract_state(), recipe.batch_spec(2, 32)
+    graph = capture(recipe.train_step, state, batch)
+    return recipe, state, batch, graph, coarsen(graph)
+
+
+def test_sliced_pieces_reproduce_the_layer(tiny):
+    recipe, state, batch, graph, layers = tiny
+    sliced = SlicedStep(recipe.train_step, state, batch, graph=graph)
+    assert sum(len(names) for names in sliced.ops_of) == len(graph)
+    block = layers[1]
+    forward = sliced.layer_phase_ops(block.ops, ("forward",))
+    closed, avals = sliced.piece(forward)
+    outputs = jax.jit(jax.extend.core.jaxpr_as_fun(closed))(*example_inputs(avals))
+    assert len(outputs) >= 1
+    # the block's forward piece reads the block's parameters and the residual stream
+    assert any(a.shape == (2, 32, 64) for a in avals)
+    assert all(np.isfinite(np.asarray(o)).all() for o in outputs if hasattr(o, "dtype"))
+
+
+def test_profile_caches_by_signature(tiny, tmp_path):
+    recipe, state, batch, graph, layers = tiny
+    cache = TimingCache(tmp_path, jax_version=jax.__version__)
+    seen = []
+    first = profile_layers(
+        recipe.train_step, state, batch, graph=graph, layers=layers, repeats=2, cache=cache, progress=seen.append
+    )
+    assert len(first) == len({layer.signature for layer in layers}) == 3
+    assert seen == ["GPT/wte+wpe", "GPT/blocks_0", "GPT/ln_f+wte.attend"]
+    assert all(t.forward_s > 0 and t.backward_s > 0 for t in first.values())
+    again = []
+    second = profile_layers(
+        recipe.train_step, state, batch, graph=graph, layers=layers, cache=cache, progress=again.append
+    )
+    assert again == [] and second == first
+
+
+def test_damaged_cache_entry_is_measured_again(tmp_path):
+    cache = TimingCache(tmp_path, jax_version="0")
+    timing = LayerTiming(signature="abc", name="x", device_kind="cpu", forward_s=1, backward_s=2, optimizer_s=0)
+    cache.put(timing)
+    assert cache.get("abc", "cpu") == timing
+    next(tmp_path.rglob("abc.json")).write_text("{not json")
+    assert cache.get("abc", "cpu") is None
+
+
+def test_calibration_recovers_known_efficiencies():
+    device = DeviceType(name="d", peak_flops={"float32": 1e12}, memory_bytes=1, memory_bandwidth_bytes_per_s=1e11)
+    truth = Efficiency(matmul=0.5, other=0.2, transcendental=0.05, memory=0.8, movement=0.3)
+    rng = np.random.default_rng(0)
+    pieces = []
+    for i in range(12):
+        spec = TensorSpec(shape=(int(rng.integers(1, 1000)),), dtype="float32")
+        ops = [
+            Op(
+                name=f"m{i}",
+                kind="matmul",
+                primitive="dot_general",
+                flops=float(rng.uniform(1e9, 1e11)),
+                inputs=(spec,),
+            ),
+            Op(
+                name=f"e{i}",
+                kind="elementwise",
+                primitive="exp",
+                flops=float(rng.uniform(1e7, 1e9)),
+                transcendentals=float(rng.uniform(1e6, 1e8)),
+                bytes_read=int(rng.uniform(1e6, 1e9)),
+            ),
+            Op(name=f"g{i}", kind="data_movement", primitive="gather", bytes_read=int(rng.uniform(1e6, 1e9))),
+        ]
+        pieces.append((ops, predict(ops, device, truth)))
+    fitted = calibrate(pieces, device)
+    for name in ("matmul", "other", "transcendental", "memory", "movement"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3)
+
+
+def test_profile_cli_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path))
+    result = CliRunner().invoke(
+        app, ["profile", "--recipe", "mamba-tiny", "--seq-len", "16", "--repeats", "1", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    import json
+
+    payload = json.loads(result.stdout)
+    assert [row["layer"] for row in payload["layers"]] == [
+        "Mamba/embedding",
+        "Mamba/layers_0",
+        "Mamba/norm_f+embedding.attend",
+    ]
+    assert payload["layers"][1]["count"] == 2
+    assert set(payload["efficiency"]) == {"matmul", "other", "transcendental", "memory", "movement"}
+    assert any((tmp_path / "profiles").rglob("*.json"))
