@@ -89,7 +89,15 @@ class CostModel:
       batch_size: samples in the captured step (what ``m / B`` scales by).
       param_axes: logical axis names per parameter path (enables TP > 1).
       tp_axes: logical axes the tensor-parallel mesh axis shards.
-      efficiency: per device type; defaults to :class:`Efficiency`'s.
+      efficiency: per device type.
+      default_efficiency: for device types not in ``efficiency`` (for example
+        the local device's calibrated one, to project absent types by their
+        datasheet peaks); :class:`Efficiency`'s defaults if None.
+      measured: layer timings by signature (:mod:`orchestrator.profile`). For
+        the device type they were measured on, a layer's time is the measured
+        one, scaled from the profiled batch to the configuration by the
+        model's own ratio; other types are projected.
+      measured_batch_size: the batch the timings were measured with.
     """
 
     def __init__(
@@ -102,12 +110,18 @@ class CostModel:
         param_axes: Mapping[str, Sequence[str | None]] | None = None,
         tp_axes: frozenset[str] = DEFAULT_TP_AXES,
         efficiency: Mapping[str, Efficiency] | None = None,
+        default_efficiency: Efficiency | None = None,
+        measured: Mapping[str, object] | None = None,
+        measured_batch_size: int | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.batch_size = batch_size
         self.efficiency = dict(efficiency or {})
+        self.default_efficiency = default_efficiency or Efficiency()
+        self.measured = dict(measured or {})
+        self.measured_batch_size = measured_batch_size or batch_size
         self.traits = tensor_parallel_traits(graph, param_axes or {}, tp_axes)
         self.tensor_parallel = bool(param_axes)
         param_shapes = {spec.shape for spec in graph.params.values()}
@@ -124,7 +138,7 @@ class CostModel:
 
     # -- helpers ------------------------------------------------------------
     def efficiency_of(self, device_type: str) -> Efficiency:
-        return self.efficiency.get(device_type, Efficiency())
+        return self.efficiency.get(device_type, self.default_efficiency)
 
     def default_link(self, device_type: str) -> Link:
         for host in self.cluster.hosts:
@@ -138,6 +152,11 @@ class CostModel:
             s *= microbatch / self.batch_size
         return s
 
+    def _representative(self, index: int) -> int:
+        """The first layer with the same signature: identical layers share every cache entry."""
+        signature = self.layers[index].signature
+        return next(layer.index for layer in self.layers if layer.signature == signature)
+
     @functools.cache  # noqa: B019 - one model per planning run; entries are per signature
     def _phase_times(self, index: int, device_type: str) -> dict[tuple[str, bool, bool], float]:
         """Unscaled op times summed by (phase, split by TP, batch-dependent)."""
@@ -150,12 +169,21 @@ class CostModel:
             times[key] += op_time_s(op, device, eff, self.traffic[name])
         return dict(times)
 
-    def _phase_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
+    def _modelled_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
         total = 0.0
-        for (ph, split, batch_dep), t in self._phase_times(index, device_type).items():
+        for (ph, split, batch_dep), t in self._phase_times(self._representative(index), device_type).items():
             if ph == phase:
                 total += t * (1 / tp if split else 1) * (microbatch / self.batch_size if batch_dep else 1)
         return total
+
+    def _phase_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
+        modelled = self._modelled_time(index, device_type, phase, tp, microbatch)
+        timing = self.measured.get(self.layers[index].signature)
+        if timing is None or getattr(timing, "device_kind", None) != device_type:
+            return modelled
+        at_profile = self._modelled_time(index, device_type, phase, 1, self.measured_batch_size)
+        measured = getattr(timing, f"{phase}_s")
+        return measured * (modelled / at_profile) if at_profile > 0 else measured
 
     def tp_allreduce_bytes(self, index: int, microbatch: int) -> dict[str, float]:
         """Per-device operand bytes of the layer's TP all-reduces, by phase."""
@@ -176,8 +204,11 @@ class CostModel:
             total += nbytes / tp if self.traits.param_roles[path] in ("column", "row") else nbytes
         return total
 
-    @functools.cache  # noqa: B019
     def _memory(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
+        return self._memory_of(self._representative(index), tp, microbatch)
+
+    @functools.cache  # noqa: B019
+    def _memory_of(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
         """(activation bytes kept per microbatch, transient bytes) from liveness."""
         ops = [n for n in self.layers[index].ops if self.graph.op(n).phase != "optimizer"]
         result = liveness(

@@ -165,3 +165,23 @@ def test_tensor_parallelism_needs_axes():
     model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=8)
     with pytest.raises(ValueError, match="param_axes"):
         model.layer_cost(1, "a100", ParallelConfig(tp=2))
+
+
+def test_measured_times_are_used_on_their_device_and_scaled():
+    from orchestrator.profile import LayerTiming
+
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    layers = coarsen(graph)
+    cluster = load_cluster("local")
+    [kind] = cluster.device_types
+    block = layers[1]
+    timing = LayerTiming(
+        signature=block.signature, name=block.name, device_kind=kind, forward_s=1.0, backward_s=2.0, optimizer_s=0.5
+    )
+    model = CostModel(graph, layers, cluster, batch_size=8, measured={block.signature: timing}, measured_batch_size=8)
+    cost = model.layer_cost(2, kind, ParallelConfig(microbatch_size=8))  # blocks_1 shares blocks_0's signature
+    assert (cost.forward_s, cost.backward_s, cost.optimizer_s) == pytest.approx((1.0, 2.0, 0.5))
+    half = model.layer_cost(2, kind, ParallelConfig(microbatch_size=4))
+    assert half.forward_s == pytest.approx(0.5, rel=0.05)
+    assert half.optimizer_s == pytest.approx(0.5)  # the update does not scale with the batch
