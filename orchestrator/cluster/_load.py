@@ -105,6 +105,7 @@ def cluster_from_spec(spec: ClusterSpec, source: str = "cluster") -> Cluster:
                 count=h.count,
                 rack=h.rack or h.name,
                 intra_link=_link(h.intra_link),
+                threads_per_device=h.threads_per_device,
             )
             for h in spec.hosts
         ),

@@ -49,6 +49,7 @@ class Host:
     count: int
     rack: str
     intra_link: Link
+    threads_per_device: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

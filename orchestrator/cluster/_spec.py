@@ -56,6 +56,7 @@ class HostSpec(_Strict):
     count: int = Field(gt=0, description="devices on this host")
     rack: str | None = Field(default=None, description="hosts sharing a rack use the network's rack level")
     intra_link: LinkSpec
+    threads_per_device: int = Field(default=1, gt=0, description="jobs a device runs at once (function DAGs)")
 
 
 class OverrideSpec(_Strict):
