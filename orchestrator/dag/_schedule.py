@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from orchestrator.dag._problem import ScheduleProblem
@@ -64,7 +65,7 @@ class Schedule:
             by_slot.setdefault((p.device, p.slot), []).append(p)
         for slot, items in by_slot.items():
             items.sort(key=lambda p: p.start_s)
-            for first, second in zip(items, items[1:]):
+            for first, second in itertools.pairwise(items):
                 assert second.start_s >= first.finish_s - _EPS * max(1.0, first.finish_s), f"overlap on {slot}"
 
     def to_json(self) -> dict:
