@@ -54,3 +54,45 @@ def fidelity(
         if compute:
             cases += compute_cases(progress=lambda name: status.update(f"profiling {name}"))
     _report("fidelity: predicted vs XLA / measured", cases, as_json)
+
+
+@bench_app.command("dag")
+def dag(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {instances: [...]}.")] = False,
+    time_limit_s: Annotated[float, typer.Option(min=0.1, help="MILP time limit per instance.")] = 10.0,
+    quick: Annotated[bool, typer.Option(help="A smaller suite (for tests).")] = False,
+) -> None:
+    """MILP makespan, bound and gap vs HEFT, CPOP and (where small) exhaustive search."""
+    import statistics
+
+    from orchestrator.bench._dag import run_suite
+
+    console = Console(stderr=True)
+    with console.status("scheduling") as status:
+        rows = run_suite(time_limit_s=time_limit_s, quick=quick, progress=lambda n: status.update(f"scheduling {n}"))
+    if as_json:
+        json.dump({"instances": rows}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    table = Table(title="function-DAG scheduling: MILP vs list schedulers")
+    for column in ("instance", "MILP", "bound", "gap", "s", "HEFT", "CPOP", "exhaustive", "vs HEFT"):
+        table.add_column(column, justify="left" if column == "instance" else "right")
+    for r in rows:
+        m = r["milp"]
+        table.add_row(
+            r["name"],
+            f"{m['makespan']:.2f}",
+            f"{m['bound']:.2f}",
+            "-" if m["gap"] is None else f"{m['gap']:.1%}",
+            f"{m['solve_s']:.1f}",
+            f"{r['heft']:.2f}",
+            f"{r['cpop']:.2f}",
+            "-" if r["exhaustive"] is None else f"{r['exhaustive']:.2f}",
+            f"{r['heft'] / m['makespan']:.3f}×",
+        )
+    out = Console()
+    out.print(table)
+    gains = [r["heft"] / r["milp"]["makespan"] - 1 for r in rows]
+    out.print(
+        f"improvement over HEFT: median {statistics.median(gains):.1%}, max {max(gains):.1%}, min {min(gains):.1%}"
+    )

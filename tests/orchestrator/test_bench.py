@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from integrations.flax import hlo_collective_bytes
@@ -44,3 +45,16 @@ def test_bench_fidelity_json_reports_every_case():
     assert all(abs(c["rel_err"]) < 0.15 for c in memory), memory
     # exit code 1 exactly when some case misses its tolerance
     assert result.exit_code == (0 if all(c["ok"] for c in cases) else 1)
+
+
+def test_bench_dag_json_has_every_field_and_milp_is_never_worse():
+    result = CliRunner().invoke(app, ["bench", "dag", "--quick", "--time-limit-s", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["instances"]
+    assert len(rows) >= 10
+    for row in rows:
+        assert {"name", "milp", "heft", "cpop", "exhaustive"} <= set(row)
+        assert {"makespan", "bound", "gap", "solve_s"} <= set(row["milp"])
+        assert row["milp"]["makespan"] <= row["heft"] + 1e-9
+        if row["exhaustive"] is not None:
+            assert row["milp"]["makespan"] == pytest.approx(row["exhaustive"], rel=1e-6)

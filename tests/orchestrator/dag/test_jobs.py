@@ -14,12 +14,20 @@ def workers_cluster(n: int, *, threads: int = 1, memory: int = 2**32):
     return parse_cluster(
         {
             "name": "local-workers",
-            "device_types": {"cpu": {"peak_tflops": {"float64": 0.05}, "memory_bytes": memory, "memory_bandwidth_gbps": 10}},
+            "device_types": {
+                "cpu": {"peak_tflops": {"float64": 0.05}, "memory_bytes": memory, "memory_bandwidth_gbps": 10}
+            },
             "hosts": [
-                {"name": f"w{i}", "device_type": "cpu", "count": 1, "rack": "r", "threads_per_device": threads,
-                 "intra_link": {"bandwidth_gbps": 1, "latency_us": 100}}
+                {
+                    "name": f"w{i}",
+                    "device_type": "cpu",
+                    "count": 1,
+                    "rack": "r",
+                    "threads_per_device": threads,
+                    "intra_link": {"bandwidth_gbps": 1, "latency_us": 100},
+                }
                 for i in range(n)
-            ],  # fmt: skip
+            ],
             "network": {"rack": {"bandwidth_gbps": 1, "latency_us": 200}},
         }
     )
