@@ -21,6 +21,7 @@ from jax.extend import core as jcore
 from integrations.flax._capture import _CALLS, _NOWHERE, _join, _Walker
 from integrations.flax._trace import trace
 from orchestrator.graph import OpGraph, Phase
+from orchestrator.profile import median_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,18 +164,7 @@ def example_inputs(avals, seed: int = 0) -> list:
 
 def time_piece(closed: jcore.ClosedJaxpr, avals, *, repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time (s) of the compiled piece on the default device."""
-    import time
-
-    fn = jax.jit(jcore.jaxpr_as_fun(closed))
-    args = example_inputs(avals)
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_seconds(jax.jit(jcore.jaxpr_as_fun(closed)), *example_inputs(avals), repeats=repeats, warmup=warmup)
 
 
 def piece_flops(closed: jcore.ClosedJaxpr, avals) -> float:

@@ -11,35 +11,25 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from orchestrator.cluster._model import Cluster, DeviceType, Host, Link
-
-
-def _median_seconds(fn, *args, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 @functools.cache
 def measure_local_device(size: int = 1024) -> tuple[float, float]:
     """(matmul FLOP/s, copy bytes/s) of the first local device, fp32."""
+    from orchestrator.profile._timing import median_seconds  # profile imports costs, which imports cluster
+
     device = jax.devices()[0]
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
-    flops = 2 * size**3 / _median_seconds(matmul, a)
+    flops = 2 * size**3 / median_seconds(matmul, a)
     big = jax.device_put(jnp.ones((8 * size, size), jnp.float32), device)
     copy = jax.jit(lambda x: x * 1.0001)
-    bandwidth = 2 * big.nbytes / _median_seconds(copy, big)
+    bandwidth = 2 * big.nbytes / median_seconds(copy, big)
     return flops, bandwidth
 
 

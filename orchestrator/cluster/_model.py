@@ -36,7 +36,7 @@ class DeviceType:
     memory_bandwidth_bytes_per_s: float
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype``; float32 matmuls may use tfloat32 where the device has it."""
+        """Peak FLOP/s for ``dtype``; ``KeyError`` naming the dtypes listed if there is none."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
         raise KeyError(f"device type {self.name!r} has no peak for {dtype}; it lists {sorted(self.peak_flops)}")
