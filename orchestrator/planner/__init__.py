@@ -1,0 +1,6 @@
+"""The planner: pipeline stages, device groups, TP/DP degrees, microbatches and recompute from one ILP per (S, M)."""
+
+from orchestrator.planner._plan import Plan, PlanInfeasible, Stage
+from orchestrator.planner._search import plan
+
+__all__ = ["Plan", "PlanInfeasible", "Stage", "plan"]

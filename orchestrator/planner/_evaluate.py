@@ -1,0 +1,58 @@
+"""The step time and memory of one concrete plan — what the ILP's objective and rows compute, evaluated directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.planner._groups import GroupConfig, TypeInfo
+from orchestrator.planner._ilp import in_flight
+from orchestrator.planner._table import CostTable
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    feasible: bool
+    iteration_s: float
+    stage_time_s: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]
+    breakdown: dict
+
+
+def evaluate(
+    stages: list[list[int]],
+    groups: list[GroupConfig],
+    microbatches: int,
+    *,
+    table: CostTable,
+    infos: dict[str, TypeInfo],
+    schedule: str,
+    p2p_link,
+) -> Evaluation:
+    S = len(stages)
+    times, memories, syncs, optims = [], [], [], []
+    feasible = True
+    used: dict[str, int] = {}
+    for s, (layers, group) in enumerate(zip(stages, groups)):
+        if table.microbatch(group, microbatches) is None:
+            return Evaluation(False, float("inf"), (), (), {})
+        entries = [table.entry(l, group, microbatches) for l in layers]
+        t = sum(e.time_s for e in entries)
+        if s < S - 1:
+            t += table.p2p_s(layers[-1], microbatches, p2p_link)
+        k = in_flight(schedule, microbatches, S, s)
+        memory = sum(e.static_bytes + e.activation_bytes * k for e in entries) + max(e.transient_bytes for e in entries)
+        feasible &= memory <= infos[group.device_type].memory_bytes
+        used[group.device_type] = used.get(group.device_type, 0) + group.size
+        times.append(t)
+        memories.append(memory)
+        syncs.append(sum(e.dp_sync_s for e in entries))
+        optims.append(sum(e.optimizer_s for e in entries))
+    feasible &= all(n <= infos[t].devices for t, n in used.items())
+    bottleneck = max(times)
+    breakdown = {
+        "fill_drain_s": sum(times),
+        "steady_s": (microbatches - 1) * bottleneck,
+        "gradient_sync_s": max(syncs),
+        "optimizer_s": max(optims),
+    }
+    return Evaluation(feasible, sum(breakdown.values()), tuple(times), tuple(memories), breakdown)

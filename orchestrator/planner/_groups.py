@@ -1,0 +1,91 @@
+"""Device groups a stage may use, drawn from the cluster's hosts.
+
+A group is ``n`` devices of one type: a power of two that fits in one host
+(part of a host or a whole host), or a multiple of whole hosts. Its tensor-
+parallel degree ``tp`` divides ``n`` and stays inside a host (tensor
+parallelism all-reduces every layer: it belongs on the fastest links); the
+rest, ``dp = n / tp``, is data parallelism. Hosts of one type are treated as
+interchangeable counts, so the candidates grow with device types and sizes,
+not with devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.cluster import Cluster, Link
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupConfig:
+    device_type: str
+    size: int
+    tp: int
+    recompute: bool
+
+    @property
+    def dp(self) -> int:
+        return self.size // self.tp
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TypeInfo:
+    """What the planner needs to know of one device type's hosts."""
+
+    name: str
+    devices: int  # in service
+    per_host: int
+    memory_bytes: int
+    intra_link: Link
+    inter_link: Link  # between two of its hosts (the slowest such)
+
+
+def type_infos(cluster: Cluster) -> dict[str, TypeInfo]:
+    infos = {}
+    devices = cluster.devices()
+    for name, dtype in cluster.device_types.items():
+        mine = [d for d in devices if d.device_type == name]
+        if not mine:
+            continue
+        hosts = [h for h in cluster.hosts if h.device_type == name]
+        per_host = min(h.count for h in hosts)
+        firsts = [next(d for d in mine if d.host == h.name) for h in hosts if any(d.host == h.name for d in mine)]
+        inter = cluster.slowest_link(firsts) if len(firsts) > 1 else hosts[0].intra_link
+        infos[name] = TypeInfo(
+            name=name,
+            devices=len(mine),
+            per_host=per_host,
+            memory_bytes=dtype.memory_bytes,
+            intra_link=hosts[0].intra_link,
+            inter_link=inter,
+        )
+    return infos
+
+
+def group_configs(
+    infos: dict[str, TypeInfo], *, max_size: int | None = None, recompute: bool = True, tensor_parallel: bool = True
+) -> list[GroupConfig]:
+    configs = []
+    for info in infos.values():
+        sizes, n = [], 1
+        while n <= info.per_host:
+            sizes.append(n)
+            n *= 2
+        hosts = info.devices // info.per_host
+        sizes += [k * info.per_host for k in range(2, hosts + 1)]
+        for size in sizes:
+            if size > info.devices or (max_size and size > max_size):
+                continue
+            tp = 1
+            while tp <= min(size, info.per_host) and (tensor_parallel or tp == 1):
+                if size % tp == 0:
+                    for rc in (False, True) if recompute else (False,):
+                        configs.append(GroupConfig(device_type=info.name, size=size, tp=tp, recompute=rc))
+                tp *= 2
+    return configs
+
+
+def group_links(config: GroupConfig, info: TypeInfo) -> tuple[Link, Link]:
+    """(tensor-parallel link, data-parallel link) of a group."""
+    dp_link = info.intra_link if config.size <= info.per_host else info.inter_link
+    return info.intra_link, dp_link

@@ -1,0 +1,58 @@
+"""Per-(layer, group, microbatch count) costs from the cost model, in the form the ILP and enumeration read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.costs import CostModel, ParallelConfig, p2p_s
+from orchestrator.planner._groups import GroupConfig, TypeInfo, group_links
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One layer in one group at one microbatch count, per microbatch and per device."""
+
+    time_s: float  # forward + backward (+ recompute) + TP all-reduces
+    static_bytes: float  # parameters, gradients, optimizer state
+    activation_bytes: float  # kept per in-flight microbatch
+    transient_bytes: float
+    dp_sync_s: float
+    optimizer_s: float
+
+
+class CostTable:
+    """Lazily filled table of :class:`Entry` by (layer, group, M)."""
+
+    def __init__(self, model: CostModel, infos: dict[str, TypeInfo], global_batch: int):
+        self.model, self.infos, self.global_batch = model, infos, global_batch
+        self._entries: dict = {}
+
+    def microbatch(self, group: GroupConfig, microbatches: int) -> int | None:
+        """Samples per replica per microbatch, or None if the batch does not divide."""
+        per_microbatch, rest = divmod(self.global_batch, microbatches)
+        if rest or per_microbatch % group.dp:
+            return None
+        return per_microbatch // group.dp
+
+    def entry(self, layer: int, group: GroupConfig, microbatches: int) -> Entry:
+        key = (layer, group, microbatches)
+        if key not in self._entries:
+            m = self.microbatch(group, microbatches)
+            info = self.infos[group.device_type]
+            tp_link, dp_link = group_links(group, info)
+            config = ParallelConfig(tp=group.tp, dp=group.dp, microbatch_size=m, recompute=group.recompute)
+            cost = self.model.layer_cost(layer, group.device_type, config, tp_link=tp_link, dp_link=dp_link)
+            self._entries[key] = Entry(
+                time_s=cost.forward_s + cost.backward_s + cost.tp_comm_s,
+                static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
+                activation_bytes=cost.activation_bytes,
+                transient_bytes=cost.transient_bytes,
+                dp_sync_s=cost.dp_sync_s,
+                optimizer_s=cost.optimizer_s,
+            )
+        return self._entries[key]
+
+    def p2p_s(self, layer: int, microbatches: int, link) -> float:
+        """Activation out of ``layer`` forward and its gradient back, for one microbatch."""
+        nbytes = self.model.layers[layer].activation_bytes * (self.global_batch / microbatches) / self.model.batch_size
+        return 2 * p2p_s(nbytes, link)
