@@ -30,7 +30,7 @@ def _cluster(types: dict[str, tuple[float, int]], hosts_per_type: int = 1, per_h
                 }
                 for name in types
                 for i in range(hosts_per_type)
-            ],  # fmt: skip
+            ],
             "network": {"rack": {"bandwidth_gbps": 10, "latency_us": 5}},
         }
     )
