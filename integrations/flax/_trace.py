@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import jax
 
-# jax has no public dead-code elimination for jaxprs; this one has been stable
-# for years and is what jax's own partial evaluation uses.
+# jax has no public dead-code elimination for jaxprs: this private one is what
+# jax's own partial evaluation uses (checked against jax 0.10.x, which we pin).
 from jax._src.interpreters.partial_eval import dce_jaxpr
 from jax.extend import core as jcore
 

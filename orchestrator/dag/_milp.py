@@ -28,9 +28,11 @@ M_ad = U + max_{d'} c(a→b, d, d'). head_t / tail_t are the longest paths befor
 and after t with each task at its fastest device and no communication.
 
 Why this form and not the seed's time-indexed one: its size does not grow with
-the horizon or a time step. Measured here: for 50 tasks on 4 devices, a
-time-indexed model at a step of makespan/200 has ~40,000 binaries; this one
-has under 2,000 and HEFT's schedule as a starting point.
+the horizon or a time step. Counted for three random 50-task DAGs on 4
+devices (CCR 1): 805–935 binaries here (200 assignments plus one order
+variable per pair of unrelated tasks), against 50 × 4 × 200 = 40,000 for a
+time-indexed model at a step of makespan/200 — and this one starts from
+HEFT's schedule.
 """
 
 from __future__ import annotations
