@@ -21,6 +21,7 @@ its threads (so jobs running side by side on one device always fit).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import pickle
@@ -141,17 +142,15 @@ class JobGraph:
             start = time.perf_counter()
             results[inst.task] = call(job.fn, args, inst.index)
             elapsed = time.perf_counter() - start
-            if inst.index == 0 and (overwrite or job.exec_s is None or not job.output_bytes):
-                self.jobs[inst.job] = Job(
-                    name=job.name,
-                    fn=job.fn,
-                    deps=job.deps,
+            if inst.index == 0:
+                self.jobs[inst.job] = dataclasses.replace(
+                    job,
                     exec_s={"*": elapsed} if overwrite or job.exec_s is None else job.exec_s,
-                    output_bytes=float(len(pickle.dumps(results[inst.task])))
-                    if overwrite or not job.output_bytes
-                    else job.output_bytes,
-                    memory_bytes=job.memory_bytes,
-                    devices=job.devices,
+                    output_bytes=(
+                        float(len(pickle.dumps(results[inst.task])))
+                        if overwrite or not job.output_bytes
+                        else job.output_bytes
+                    ),
                 )
 
     def problem(self, cluster: Cluster, *, serialisation_gbps: float = 1.0) -> ScheduleProblem:

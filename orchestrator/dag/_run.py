@@ -11,6 +11,7 @@ schedule's order when several are ready.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -112,16 +113,7 @@ class Execution:
         ``replace`` maps job names to new functions (a fixed version of the job).
         """
         for name, fn in (replace or {}).items():
-            job = self.jobs.jobs[name]
-            self.jobs.jobs[name] = type(job)(
-                name=job.name,
-                fn=fn,
-                deps=job.deps,
-                exec_s=job.exec_s,
-                output_bytes=job.output_bytes,
-                memory_bytes=job.memory_bytes,
-                devices=job.devices,
-            )
+            self.jobs.jobs[name] = dataclasses.replace(self.jobs.jobs[name], fn=fn)
         pending = [t for t in self.schedule.problem.tasks if self.futures[t].status != "finished"]
         self.submit(pending)
         return self.gather()
