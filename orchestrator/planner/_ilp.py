@@ -10,14 +10,15 @@ optimizer ω.
 Variables
     a[l,s] ∈ {0,1}    layer l is in stage s
     u[s,g] ∈ {0,1}    stage s runs on a group g
-    w[l,s,g] ∈ [0,1]  layer l is in stage s and s runs on g  (w ≥ a + u − 1)
+    w[l,s,g] ∈ [0,1]  layer l is in stage s and s runs on g  (w = a·u)
     e[l,s] ∈ [0,1]    layer l is the last of stage s         (e ≥ a[l,s] − a[l+1,s])
     T, D, O ≥ 0       bottleneck stage time, gradient sync, optimizer;  X_s ≥ 0 transient peak
 
 Constraints (one function each, every row named)
     layer_once      Σ_s a[l,s] = 1
     contiguous      0 ≤ Σ_s s·a[l+1,s] − Σ_s s·a[l,s] ≤ 1,   a[0,0] = a[L−1,S−1] = 1
-    one_group       Σ_g u[s,g] = 1
+    one_group       Σ_g u[s,g] = 1,   Σ_g w[l,s,g] = a[l,s],   w[l,s,g] ≤ u[s,g]   (exact w = a·u,
+                    and a tighter LP relaxation than w ≥ a + u − 1)
     devices         Σ_{s, g of type t} size_g · u[s,g] ≤ devices(t)
     bottleneck      T ≥ t_s = Σ_{l,g} τ·w[l,s,g] + Σ_l p2p_l · e[l,s]     (s < S−1 send to s+1)
     sync, optimizer D ≥ Σ δ·w,   O ≥ Σ ω·w
@@ -107,8 +108,13 @@ class StageModel:
         for s in range(self.S):
             self.lp += pulp.lpSum(self.u[s, g] for g in range(len(self.groups))) == 1, f"one_group_{s}"
             for l in range(self.L):
+                # w = a·u, written so the LP relaxation stays tight: w splits a over the groups, within u
+                self.lp += (
+                    pulp.lpSum(self.w[l, s, g] for g in range(len(self.groups))) == self.a[l, s],
+                    f"split_{l}_{s}",
+                )
                 for g in range(len(self.groups)):
-                    self.lp += self.w[l, s, g] >= self.a[l, s] + self.u[s, g] - 1, f"link_{l}_{s}_{g}"
+                    self.lp += self.w[l, s, g] <= self.u[s, g], f"within_{l}_{s}_{g}"
 
     def add_devices(self) -> None:
         for name, info in self.infos.items():
