@@ -11,6 +11,7 @@ import typer
 from orchestrator.cli._bench import bench_app
 from orchestrator.cli._cluster import cluster_app
 from orchestrator.cli._graph import graph_command
+from orchestrator.cli._plan import plan_command
 from orchestrator.cli._profile import profile_command
 
 app = typer.Typer(
@@ -23,6 +24,7 @@ app = typer.Typer(
 app.command("graph")(graph_command)
 app.add_typer(cluster_app, name="cluster")
 app.command("profile")(profile_command)
+app.command("plan")(plan_command)
 app.add_typer(bench_app, name="bench")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,7 +69,7 @@ class Plan:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        data["stages"] = [asdict(s) for s in self.stages]
+        data["stages"] = [{**asdict(s), "layers": list(s.layers), "devices": list(s.devices)} for s in self.stages]
         return data
 
     @classmethod
@@ -77,6 +78,49 @@ class Plan:
             Stage(**{**s, "layers": tuple(s["layers"]), "devices": tuple(s["devices"])}) for s in data["stages"]
         )
         return cls(**{**data, "stages": stages})
+
+    def explain(self) -> str:
+        """A table of the stages and the predicted step time, as text (rich renders it)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{len(self.stages)} stage(s), {self.microbatches} microbatch(es), {self.schedule}")
+        for column in (
+            "stage",
+            "layers",
+            "devices",
+            "tp",
+            "dp",
+            "recompute",
+            "microbatch",
+            "time/microbatch",
+            "memory/device",
+        ):
+            table.add_column(column, justify="left" if column in ("layers", "devices") else "right")
+        bottleneck = max(s.time_s for s in self.stages)
+        for i, s in enumerate(self.stages):
+            marker = " ◀ bottleneck" if s.time_s == bottleneck and len(self.stages) > 1 else ""
+            table.add_row(
+                str(i),
+                f"{s.layers[0]}–{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
+                f"{len(s.devices)} × {s.device_type}",
+                str(s.tp),
+                str(s.dp),
+                "yes" if s.recompute else "no",
+                str(s.microbatch_size),
+                f"{s.time_s * 1e3:.2f} ms{marker}",
+                f"{s.memory_bytes / 1e9:.2f} GB",
+            )
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=120)
+        console.print(table)
+        parts = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms" for k, v in self.breakdown.items())
+        console.print(f"predicted step {self.iteration_s * 1e3:.1f} ms ({parts})")
+        console.print(
+            f"{self.solver} {self.status}: objective {self.objective:.6g}, bound {self.bound:.6g}, "
+            f"gap {self.gap:.2%}, {self.solve_s:.1f} s"
+        )
+        return buffer.getvalue()
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2))

@@ -77,3 +77,39 @@ def test_infeasible_when_nothing_fits(tiny):
     model = CostModel(graph, layers, _cluster({"tiny": (10.0, 10_000)}), batch_size=8, param_axes=recipe.param_axes())
     with pytest.raises(PlanInfeasible, match="exceeds device memory"):
         plan(model, global_batch=8, microbatch_candidates=(1, 2), max_stages=2)
+
+
+def test_plan_cli_json_and_explain(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "--recipe",
+            "gpt-tiny",
+            "--cluster",
+            "a100x8",
+            "--batch",
+            "16",
+            "--max-stages",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert [l for s in payload["stages"] for l in s["layers"]] == [0, 1, 2, 3]
+    saved = Plan.load(out)
+    assert saved.to_json() == payload
+    text = saved.explain()
+    assert "predicted step" in text and "a100" in text
+    bad = CliRunner().invoke(app, ["plan", "--recipe", "gpt-tiny", "--cluster", "nope"])
+    assert bad.exit_code == 2 and "unknown cluster preset 'nope'" in bad.stderr

@@ -1,0 +1,61 @@
+"""``orchestrator plan --recipe R --cluster C --batch B``: capture, cost and plan a recipe's step."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from orchestrator.cli._common import fail
+
+
+def plan_command(
+    recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small.")] = "gpt2-small",
+    cluster: Annotated[str, typer.Option(help="Cluster preset or YAML file.")] = "a100x8",
+    batch: Annotated[int, typer.Option(min=1, help="Global batch (samples per step).")] = 64,
+    seq: Annotated[int | None, typer.Option(min=1, help="Sequence length (default: the recipe's).")] = None,
+    schedule: Annotated[str, typer.Option(help="1f1b or gpipe.")] = "1f1b",
+    max_stages: Annotated[int, typer.Option(min=1, help="Largest number of pipeline stages to consider.")] = 4,
+    time_limit_s: Annotated[float, typer.Option(min=0.1, help="Solver time budget.")] = 60.0,
+    output: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Plan a recipe's training step on a cluster (work in progress: see issue 4 in the README)."""
+    from integrations.flax import capture
+    from orchestrator.cluster import ClusterError, load_cluster
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel
+    from orchestrator.planner import PlanInfeasible, plan
+    from recipes import RECIPES
+
+    if recipe not in RECIPES:
+        fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
+    if schedule not in ("1f1b", "gpipe"):
+        fail(f"--schedule must be 1f1b or gpipe, got {schedule!r}")
+    try:
+        spec_cluster = load_cluster(cluster)
+    except ClusterError as error:
+        fail(str(error))
+    spec = RECIPES[recipe]
+    capture_batch = spec.batch_size
+    state, data = spec.abstract_state(), spec.batch_spec(capture_batch, seq)
+    with Console(stderr=True).status(f"capturing and planning {recipe} on {spec_cluster.name}"):
+        graph = capture(spec.train_step, state, data)
+        layers = coarsen(graph)
+        model = CostModel(graph, layers, spec_cluster, batch_size=capture_batch, param_axes=spec.param_axes())
+        try:
+            result = plan(
+                model, global_batch=batch, schedule=schedule, max_stages=max_stages, time_limit_s=time_limit_s
+            )
+        except PlanInfeasible as error:
+            fail(str(error))
+    if output:
+        result.save(output)
+    if as_json:
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(result.explain())
