@@ -6,9 +6,7 @@ import itertools
 
 from orchestrator.costs import CostModel
 from orchestrator.planner._evaluate import Evaluation, evaluate
-from orchestrator.planner._groups import group_configs, type_infos
-from orchestrator.planner._search import DEFAULT_MICROBATCHES, _p2p_link
-from orchestrator.planner._table import CostTable
+from orchestrator.planner._search import DEFAULT_MICROBATCHES, search_space
 
 
 def _partitions(n: int, parts: int):
@@ -28,11 +26,8 @@ def exhaustive_plan(
     recompute: bool = True,
 ) -> Evaluation | None:
     """The best feasible evaluation over the planner's whole search space (None if none fits)."""
-    infos = type_infos(model.cluster)
-    groups = group_configs(infos, recompute=recompute, tensor_parallel=model.tensor_parallel)
-    table = CostTable(model, infos, global_batch)
-    link = _p2p_link(model.cluster, infos)
-    L = len(model.layers)
+    space = search_space(model, global_batch, recompute=recompute)
+    infos, groups, table, link, L = space.infos, space.groups, space.table, space.p2p_link, space.layers
     best = None
     for S in range(1, min(max_stages or L, L) + 1):
         for M in (m for m in microbatch_candidates if global_batch % m == 0):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import dataclass
 
-from orchestrator.cluster import Cluster
+from orchestrator.cluster import Cluster, Link
 from orchestrator.costs import CostModel
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig, TypeInfo, group_configs, type_infos
@@ -27,6 +28,28 @@ DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32)
 def _p2p_link(cluster: Cluster, infos: dict[str, TypeInfo]):
     links = [i.inter_link for i in infos.values()] + ([cluster.cluster_link] if cluster.cluster_link else [])
     return min(links, key=lambda link: link.bandwidth_bytes_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """What every (S, M) subproblem and the exhaustive search share."""
+
+    infos: dict[str, TypeInfo]
+    groups: list[GroupConfig]
+    table: CostTable
+    p2p_link: Link
+    layers: int
+
+
+def search_space(model: CostModel, global_batch: int, *, recompute: bool) -> SearchSpace:
+    infos = type_infos(model.cluster)
+    return SearchSpace(
+        infos=infos,
+        groups=group_configs(infos, recompute=recompute, tensor_parallel=model.tensor_parallel),
+        table=CostTable(model, infos, global_batch),
+        p2p_link=_p2p_link(model.cluster, infos),
+        layers=len(model.layers),
+    )
 
 
 def _allocate(cluster: Cluster, groups: list[GroupConfig]) -> list[tuple[str, ...]]:
@@ -71,11 +94,8 @@ def plan(
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     started = time.perf_counter()
     cluster = model.cluster
-    infos = type_infos(cluster)
-    groups = group_configs(infos, recompute=recompute, tensor_parallel=model.tensor_parallel)
-    table = CostTable(model, infos, global_batch)
-    link = _p2p_link(cluster, infos)
-    L = len(model.layers)
+    space = search_space(model, global_batch, recompute=recompute)
+    infos, groups, table, link, L = space.infos, space.groups, space.table, space.p2p_link, space.layers
     max_stages = min(max_stages or L, L, len(cluster.devices()))
     candidates = [m for m in microbatch_candidates if global_batch % m == 0]
     best, lower = None, math.inf
