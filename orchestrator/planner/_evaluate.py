@@ -16,6 +16,10 @@ class Evaluation:
     stage_time_s: tuple[float, ...]
     stage_memory_bytes: tuple[float, ...]
     breakdown: dict
+    stage_forward_s: tuple[float, ...] = ()
+    stage_send_s: tuple[float, ...] = ()
+    stage_sync_s: tuple[float, ...] = ()
+    stage_optimizer_s: tuple[float, ...] = ()
 
 
 def evaluate(
@@ -29,7 +33,7 @@ def evaluate(
     p2p_link,
 ) -> Evaluation:
     S = len(stages)
-    times, memories, syncs, optims = [], [], [], []
+    times, memories, syncs, optims, forwards, sends = [], [], [], [], [], []
     feasible = True
     used: dict[str, int] = {}
     for s, (layers, group) in enumerate(zip(stages, groups)):
@@ -37,8 +41,10 @@ def evaluate(
             return Evaluation(False, float("inf"), (), (), {})
         entries = [table.entry(l, group, microbatches) for l in layers]
         t = sum(e.time_s for e in entries)
-        if s < S - 1:
-            t += table.p2p_s(layers[-1], microbatches, p2p_link)
+        send = table.send_s(layers[-1], microbatches, p2p_link) if s < S - 1 else 0.0
+        t += 2 * send
+        forwards.append(sum(e.forward_s for e in entries))
+        sends.append(send)
         k = in_flight(schedule, microbatches, S, s)
         memory = sum(e.static_bytes + e.activation_bytes * k for e in entries) + max(e.transient_bytes for e in entries)
         feasible &= memory <= infos[group.device_type].memory_bytes
@@ -55,4 +61,14 @@ def evaluate(
         "gradient_sync_s": max(syncs),
         "optimizer_s": max(optims),
     }
-    return Evaluation(feasible, sum(breakdown.values()), tuple(times), tuple(memories), breakdown)
+    return Evaluation(
+        feasible,
+        sum(breakdown.values()),
+        tuple(times),
+        tuple(memories),
+        breakdown,
+        tuple(forwards),
+        tuple(sends),
+        tuple(syncs),
+        tuple(optims),
+    )

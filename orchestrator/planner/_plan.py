@@ -26,8 +26,17 @@ class Stage:
       tp, dp: tensor- and data-parallel degrees.
       recompute: whether it recomputes its forward pass in the backward pass.
       microbatch_size: samples per microbatch on each data-parallel replica.
-      time_s: forward + backward seconds per microbatch (compute + TP communication).
+      time_s: seconds per microbatch: forward + backward (compute and TP
+        communication) + sending the activation to the next stage and
+        receiving its gradient back (``2 · send_s``).
       memory_bytes: predicted peak per device.
+      forward_s: the forward part of ``time_s`` (compute + TP all-reduces);
+        the backward part is ``time_s − forward_s − 2 · send_s``.
+      send_s: one point-to-point transfer of this stage's output activation
+        (one microbatch) to the next stage; the gradient coming back costs the
+        same. 0 for the last stage.
+      dp_sync_s: data-parallel gradient synchronisation, once per step.
+      optimizer_s: the optimizer update, once per step.
     """
 
     layers: tuple[int, ...]
@@ -39,6 +48,10 @@ class Stage:
     microbatch_size: int
     time_s: float
     memory_bytes: float
+    forward_s: float = 0.0
+    send_s: float = 0.0
+    dp_sync_s: float = 0.0
+    optimizer_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -144,6 +144,10 @@ def plan(
             microbatch_size=table.microbatch(g, M),
             time_s=ev.stage_time_s[s],
             memory_bytes=ev.stage_memory_bytes[s],
+            forward_s=ev.stage_forward_s[s],
+            send_s=ev.stage_send_s[s],
+            dp_sync_s=ev.stage_sync_s[s],
+            optimizer_s=ev.stage_optimizer_s[s],
         )
         for s, (layers, g) in enumerate(zip(stages, chosen))
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.costs import CostModel, ParallelConfig, p2p_s
+from orchestrator.costs import CostModel, ParallelConfig, all_reduce_s, p2p_s
 from orchestrator.planner._groups import GroupConfig, TypeInfo, group_links
 
 
@@ -13,6 +13,7 @@ class Entry:
     """One layer in one group at one microbatch count, per microbatch and per device."""
 
     time_s: float  # forward + backward (+ recompute) + TP all-reduces
+    forward_s: float  # the forward part of time_s, its TP all-reduces included
     static_bytes: float  # parameters, gradients, optimizer state
     activation_bytes: float  # kept per in-flight microbatch
     transient_bytes: float
@@ -42,8 +43,10 @@ class CostTable:
             tp_link, dp_link = group_links(group, info)
             config = ParallelConfig(tp=group.tp, dp=group.dp, microbatch_size=m, recompute=group.recompute)
             cost = self.model.layer_cost(layer, group.device_type, config, tp_link=tp_link, dp_link=dp_link)
+            tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)
             self._entries[key] = Entry(
                 time_s=cost.forward_s + cost.backward_s + cost.tp_comm_s,
+                forward_s=cost.forward_s + tp_forward_s,
                 static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
                 activation_bytes=cost.activation_bytes,
                 transient_bytes=cost.transient_bytes,
@@ -54,5 +57,9 @@ class CostTable:
 
     def p2p_s(self, layer: int, microbatches: int, link) -> float:
         """Activation out of ``layer`` forward and its gradient back, for one microbatch."""
+        return 2 * self.send_s(layer, microbatches, link)
+
+    def send_s(self, layer: int, microbatches: int, link) -> float:
+        """One direction: ``layer``'s output activation for one microbatch (the whole microbatch, all replicas)."""
         nbytes = self.model.layers[layer].activation_bytes * (self.global_batch / microbatches) / self.model.batch_size
-        return 2 * p2p_s(nbytes, link)
+        return p2p_s(nbytes, link)
