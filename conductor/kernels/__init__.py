@@ -1,0 +1,21 @@
+"""Kernels the conductor rewrites into: flash attention and a chunked selective scan.
+
+Each has a pure-JAX reference beside it and an ``implementation=`` switch:
+``"pallas"`` (the kernel; interpreted on CPU), ``"xla_chunked"`` (the same
+blocking in plain XLA, compiled everywhere) and ``"reference"``.
+"""
+
+from conductor.kernels._common import IMPLEMENTATIONS, Implementation
+from conductor.kernels.attention import AttentionBlockSizes, attention, attention_reference
+from conductor.kernels.scan import ScanBlockSizes, selective_scan, selective_scan_reference
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "AttentionBlockSizes",
+    "Implementation",
+    "ScanBlockSizes",
+    "attention",
+    "attention_reference",
+    "selective_scan",
+    "selective_scan_reference",
+]

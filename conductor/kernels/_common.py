@@ -1,0 +1,34 @@
+"""What every conductor kernel shares: the implementation switch and interpret-on-CPU."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+Implementation = Literal["pallas", "xla_chunked", "reference"]
+IMPLEMENTATIONS: tuple[Implementation, ...] = ("pallas", "xla_chunked", "reference")
+
+
+def check_implementation(implementation: str) -> Implementation:
+    """``implementation`` itself, or a ``ValueError`` naming the allowed values."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    return implementation  # type: ignore[return-value]
+
+
+def interpret_default(interpret: bool | None) -> bool:
+    """Pallas runs compiled on TPU/GPU; on CPU only the interpreter can run it."""
+    if interpret is not None:
+        return interpret
+    return jax.default_backend() == "cpu"
+
+
+def divisible_block(size: int, target: int) -> int:
+    """The largest power-of-two block ≤ ``target`` that divides ``size`` (``size`` itself if it is smaller)."""
+    if size <= target:
+        return size
+    block = 1 << (target.bit_length() - 1)
+    while block > 1 and size % block:
+        block //= 2
+    return block

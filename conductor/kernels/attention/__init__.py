@@ -1,0 +1,76 @@
+"""Attention: flash attention (Pallas and XLA) and its reference.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from conductor.kernels import attention
+    >>> q = k = v = jnp.ones((1, 256, 2, 64))
+    >>> attention(q, k, v, causal=True, implementation="xla_chunked").shape
+    (1, 256, 2, 64)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conductor.kernels._common import Implementation, check_implementation, interpret_default
+from conductor.kernels.attention._pallas import attention_pallas
+from conductor.kernels.attention._reference import attention_reference
+from conductor.kernels.attention._xla import attention_xla_chunked
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionBlockSizes:
+    """Query and key block lengths of the flash kernels (the decision model picks them)."""
+
+    block_q: int = 128
+    block_k: int = 128
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    block_sizes: AttentionBlockSizes | None = None,
+    implementation: Implementation = "pallas",
+    interpret: bool | None = None,
+):
+    """softmax(scale · Q Kᵀ [+ causal mask]) V without materialising the scores.
+
+    Args:
+      q: (batch, seq_q, heads, head_dim).
+      k, v: (batch, seq_k, kv_heads, head_dim); ``heads`` must divide by ``kv_heads`` (GQA/MQA).
+      causal: mask key j > query i (needs seq_q == seq_k).
+      scale: score multiplier; default 1/√head_dim.
+      block_sizes: block lengths; each must divide its sequence length.
+      implementation: ``"pallas"``, ``"xla_chunked"`` or ``"reference"``.
+      interpret: run Pallas in interpret mode; default: on the CPU backend.
+    Returns:
+      (batch, seq_q, heads, head_dim), differentiable (custom VJP keeping only the log-sum-exp).
+    Raises:
+      ValueError: bad head counts, a block that does not divide its sequence, or an unknown implementation.
+    """
+    implementation = check_implementation(implementation)
+    if q.ndim != 4 or k.shape != v.shape[:-1] + k.shape[-1:] or k.ndim != 4:
+        raise ValueError(f"expected q (B,T,H,D) and k, v (B,S,Hkv,D); got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs seq_q == seq_k; got {q.shape[1]} and {k.shape[1]}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if implementation == "reference":
+        return attention_reference(q, k, v, causal=causal, scale=scale)
+    sizes = block_sizes or AttentionBlockSizes()
+    bq, bk = min(sizes.block_q, q.shape[1]), min(sizes.block_k, k.shape[1])
+    if q.shape[1] % bq or k.shape[1] % bk:
+        raise ValueError(f"block sizes ({bq}, {bk}) must divide the sequence lengths ({q.shape[1]}, {k.shape[1]})")
+    if implementation == "xla_chunked":
+        return attention_xla_chunked(q, k, v, causal=causal, scale=scale, block_q=bq, block_k=bk)
+    return attention_pallas(
+        q, k, v, causal=causal, scale=scale, block_q=bq, block_k=bk, interpret=interpret_default(interpret)
+    )
+
+
+__all__ = ["AttentionBlockSizes", "attention", "attention_reference"]

@@ -1,0 +1,189 @@
+"""Flash attention forward and backward as Pallas kernels (same math as ``_xla``).
+
+Grid (batch, head, query block) for the forward and for dQ, (batch, head, key
+block) for dK/dV; K/V blocks of query head h come from kv head h // G (GQA).
+Each program keeps one (block_q, block_k) score tile; the only residual of
+the forward besides its inputs and output is the log-sum-exp L (B, H, T).
+dK/dV are produced per query head and summed over each group of G heads.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_MASK = -1e30
+
+
+def _tile_scores(q, k, i, j, bq, bk, scale, causal):
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    if causal:
+        rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+        cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+        s = jnp.where(rows >= cols, s, _MASK)
+    return s
+
+
+def _k_upper(i, bq, bk, nk, causal):
+    return jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), nk) if causal else nk
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk):
+    i = pl.program_id(2)
+    nk = k_ref.shape[0] // bk
+    q = q_ref[...].astype(jnp.float32)  # (bq, D)
+
+    def body(j, carry):
+        o, m, norm = carry
+        k = k_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
+        v = v_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
+        s = _tile_scores(q, k, i, j, bq, bk, scale, causal)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        o = corr[:, None] * o + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return o, m_new, corr * norm + p.sum(axis=1)
+
+    init = (
+        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    o, m, norm = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, init)
+    o_ref[...] = (o / norm[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(norm)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, bk):
+    j = pl.program_id(2)
+    nq = q_ref.shape[0] // bq
+    k = k_ref[...].astype(jnp.float32)  # (bk, D)
+    v = v_ref[...].astype(jnp.float32)
+
+    def body(i, carry):
+        dk, dv = carry
+        q = q_ref[pl.ds(i * bq, bq), :].astype(jnp.float32)
+        do = do_ref[pl.ds(i * bq, bq), :].astype(jnp.float32)
+        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, causal) - lse_ref[pl.ds(i * bq, bq)][:, None])
+        dv = dv + lax.dot_general(p, do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_ref[pl.ds(i * bq, bq)][:, None])
+        dk = dk + scale * lax.dot_general(ds, q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return dk, dv
+
+    lower = lax.div(j * bk, bq) if causal else 0
+    dk, dv = lax.fori_loop(lower, nq, body, (jnp.zeros_like(k), jnp.zeros_like(v)))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk):
+    i = pl.program_id(2)
+    nk = k_ref.shape[0] // bk
+    q = q_ref[...].astype(jnp.float32)
+    do = do_ref[...].astype(jnp.float32)
+    lse, delta = lse_ref[...], delta_ref[...]
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
+        v = v_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
+        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, causal) - lse[:, None])
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None])
+        return dq + scale * jnp.dot(ds, k, preferred_element_type=jnp.float32)
+
+    dq = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, jnp.zeros_like(q))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _specs(t, s, d, groups, bq, bk):
+    """BlockSpecs over (B, H, T, D) query-side and (B, Hkv, S, D) key-side arrays."""
+    q_blk = pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0))
+    q_all = pl.BlockSpec((None, None, t, d), lambda b, h, i: (b, h, 0, 0))
+    k_blk = pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, h // groups, j, 0))
+    k_all = pl.BlockSpec((None, None, s, d), lambda b, h, i: (b, h // groups, 0, 0))
+    row_blk = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+    row_all = pl.BlockSpec((None, None, t), lambda b, h, i: (b, h, 0))
+    kq_blk = pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, h, j, 0))  # per-query-head dK/dV
+    return q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk
+
+
+def _fwd(q, k, v, causal, scale, bq, bk, interpret):
+    b, h, t, d = q.shape
+    s, groups = k.shape[2], h // k.shape[1]
+    q_blk, _, _, k_all, row_blk, _, _ = _specs(t, s, d, groups, bq, bk)
+    return pl.pallas_call(
+        partial(_forward_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+        grid=(b, h, t // bq),
+        in_specs=[q_blk, k_all, k_all],
+        out_specs=[q_blk, row_blk],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+        interpret=interpret,
+        name="conductor_flash_fwd",
+    )(q, k, v)
+
+
+def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret):
+    b, h, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    groups = h // hkv
+    q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk = _specs(t, s, d, groups, bq, bk)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # (B, H, T)
+    dk, dv = pl.pallas_call(
+        partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+        grid=(b, h, s // bk),
+        in_specs=[q_all, k_blk, k_blk, q_all, row_all, row_all],
+        out_specs=[kq_blk, kq_blk],
+        out_shape=[jax.ShapeDtypeStruct((b, h, s, d), k.dtype), jax.ShapeDtypeStruct((b, h, s, d), v.dtype)],
+        interpret=interpret,
+        name="conductor_flash_dkdv",
+    )(q, k, v, do, lse, delta)
+    dq = pl.pallas_call(
+        partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+        grid=(b, h, t // bq),
+        in_specs=[q_blk, k_all, k_all, q_blk, row_blk, row_blk],
+        out_specs=q_blk,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        name="conductor_flash_dq",
+    )(q, k, v, do, lse, delta)
+    dk = dk.reshape(b, hkv, groups, s, d).sum(2)
+    dv = dv.reshape(b, hkv, groups, s, d).sum(2)
+    return dq, dk, dv
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _flash(q, k, v, causal, scale, bq, bk, interpret):
+    return _fwd(q, k, v, causal, scale, bq, bk, interpret)[0]
+
+
+def _flash_fwd(q, k, v, causal, scale, bq, bk, interpret):
+    o, lse = _fwd(q, k, v, causal, scale, bq, bk, interpret)
+    return o, (q, k, v, o, lse)
+
+
+def _flash_bwd(causal, scale, bq, bk, interpret, residuals, do):
+    q, k, v, o, lse = residuals
+    return _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attention_pallas(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool):
+    """Pallas flash attention on (batch, seq, heads, head_dim) arrays; K/V may have fewer heads (GQA)."""
+    o = _flash(
+        q.transpose(0, 2, 1, 3),
+        k.transpose(0, 2, 1, 3),
+        v.transpose(0, 2, 1, 3),
+        causal,
+        scale,
+        block_q,
+        block_k,
+        interpret,
+    )
+    return o.transpose(0, 2, 1, 3)

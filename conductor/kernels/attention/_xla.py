@@ -1,0 +1,167 @@
+"""Flash attention in plain XLA: query blocks × key blocks, only O(T) residuals.
+
+Forward (FlashAttention-2, Dao 2023), per query block i, over key blocks j ≤ i
+(causal) with running max m, normaliser l and accumulator o:
+
+    s = scale · q_i k_jᵀ,  m' = max(m, rowmax s),  l' = e^{m−m'} l + rowsum e^{s−m'},
+    o' = e^{m−m'} o + e^{s−m'} v_j;   O_i = o / l,   L_i = m + log l   (log-sum-exp)
+
+Backward recomputes p = e^{s − L} block by block from (Q, K, V, O, L):
+
+    D = rowsum(dO ⊙ O),  dV_j = Σ_i pᵀ dO_i,  dS = p ⊙ (dO_i v_jᵀ − D_i),
+    dK_j = scale Σ_i dSᵀ q_i,  dQ_i = scale Σ_j dS k_j.
+
+The residuals are Q, K, V, O and L: nothing of size T² is ever live. Loops are
+``lax.map`` over blocks (one block live at a time) and ``fori_loop``s whose
+causal trip counts skip the blocks above the diagonal.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_MASK = -1e30  # finite, so a fully masked row never produces NaN via (−∞) − (−∞)
+
+
+def _blocks(x, block: int):
+    """(B, Hkv, G, T, D) → (T/block, B, Hkv, G, block, D)."""
+    b, h, g, t, d = x.shape
+    return x.reshape(b, h, g, t // block, block, d).transpose(3, 0, 1, 2, 4, 5)
+
+
+def _unblock(x):
+    n, b, h, g, block, d = x.shape
+    return x.transpose(1, 2, 3, 0, 4, 5).reshape(b, h, g, n * block, d)
+
+
+def _scores(q_blk, k_blk, i, j, bq, bk, scale, causal):
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+    if causal:
+        rows = i * bq + jnp.arange(bq)[:, None]
+        cols = j * bk + jnp.arange(bk)[None, :]
+        s = jnp.where(rows >= cols, s, _MASK)
+    return s
+
+
+def _k_upper(i, bq, bk, nk, causal):
+    return jnp.minimum(((i + 1) * bq + bk - 1) // bk, nk) if causal else nk
+
+
+def _forward(q, k, v, causal, scale, bq, bk):
+    # q: (B, Hkv, G, T, D); k, v: (B, Hkv, S, D)
+    nk = k.shape[2] // bk
+
+    def one_q_block(args):
+        i, q_blk = args  # (B, Hkv, G, bq, D)
+        shape = q_blk.shape[:-1]
+
+        def body(j, carry):
+            o, m, norm = carry
+            k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+            v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, causal)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            o = corr[..., None] * o + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_blk.astype(jnp.float32))
+            return o, m_new, corr * norm + p.sum(-1)
+
+        init = (jnp.zeros((*shape, v.shape[-1]), jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape))
+        o, m, norm = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, init)
+        return (o / norm[..., None]).astype(q.dtype), m + jnp.log(norm)
+
+    qb = _blocks(q, bq)
+    o, lse = lax.map(one_q_block, (jnp.arange(qb.shape[0]), qb))
+    return _unblock(o), _unblock(lse[..., None])[..., 0]  # (B,Hkv,G,T,D), (B,Hkv,G,T)
+
+
+def _backward(q, k, v, o, lse, do, causal, scale, bq, bk):
+    nq, nk = q.shape[3] // bq, k.shape[2] // bk
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)  # (B, Hkv, G, T)
+
+    def q_slice(x, i):
+        return lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)
+
+    def one_k_block(args):
+        j, k_blk, v_blk = args  # (B, Hkv, bk, D)
+
+        def body(i, carry):
+            dk, dv = carry
+            q_blk, do_blk = q_slice(q, i), q_slice(do, i).astype(jnp.float32)
+            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, causal)
+            p = jnp.exp(s - q_slice(lse[..., None], i))
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_blk)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk.astype(jnp.float32))
+            ds = p * (dp - q_slice(delta[..., None], i))
+            dk = dk + scale * jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_blk.astype(jnp.float32))
+            return dk, dv
+
+        lower = (j * bk) // bq if causal else 0
+        zeros = jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32)
+        dk, dv = lax.fori_loop(lower, nq, body, zeros)
+        return dk.astype(k.dtype), dv.astype(v.dtype)
+
+    def one_q_block(args):
+        i, q_blk, do_blk, lse_blk, delta_blk = args
+
+        def body(j, dq):
+            k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+            v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, causal)
+            p = jnp.exp(s - lse_blk[..., None])
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk.astype(jnp.float32), v_blk.astype(jnp.float32))
+            ds = p * (dp - delta_blk[..., None])
+            return dq + scale * jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_blk.astype(jnp.float32))
+
+        dq = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, jnp.zeros(q_blk.shape, jnp.float32))
+        return dq.astype(q.dtype)
+
+    kb = k.reshape(*k.shape[:2], nk, bk, k.shape[-1]).transpose(2, 0, 1, 3, 4)
+    vb = v.reshape(*v.shape[:2], nk, bk, v.shape[-1]).transpose(2, 0, 1, 3, 4)
+    dk, dv = lax.map(one_k_block, (jnp.arange(nk), kb, vb))
+    dk = dk.transpose(1, 2, 0, 3, 4).reshape(k.shape)
+    dv = dv.transpose(1, 2, 0, 3, 4).reshape(v.shape)
+    dq = lax.map(
+        one_q_block,
+        (
+            jnp.arange(nq),
+            _blocks(q, bq),
+            _blocks(do, bq),
+            _blocks(lse[..., None], bq)[..., 0],
+            _blocks(delta[..., None], bq)[..., 0],
+        ),
+    )
+    return _unblock(dq), dk, dv
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _flash(q, k, v, causal, scale, bq, bk):
+    return _forward(q, k, v, causal, scale, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, causal, scale, bq, bk):
+    o, lse = _forward(q, k, v, causal, scale, bq, bk)
+    return o, (q, k, v, o, lse)
+
+
+def _flash_bwd(causal, scale, bq, bk, residuals, do):
+    q, k, v, o, lse = residuals
+    return _backward(q, k, v, o, lse, do, causal, scale, bq, bk)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attention_xla_chunked(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int):
+    """Flash attention in XLA on (batch, seq, heads, head_dim) arrays; K/V may have fewer heads (GQA)."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    # (B, T, H, D) → (B, Hkv, G, T, D): query head h = kv_head · G + g
+    qg = q.reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    o = _flash(qg, kt, vt, causal, scale, block_q, block_k)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, v.shape[-1])
