@@ -13,6 +13,7 @@ from orchestrator.cli._cluster import cluster_app
 from orchestrator.cli._graph import graph_command
 from orchestrator.cli._plan import plan_command
 from orchestrator.cli._profile import profile_command
+from orchestrator.cli._simulate import report_command, simulate_command
 
 app = typer.Typer(
     name="orchestrator",
@@ -25,6 +26,8 @@ app.command("graph")(graph_command)
 app.add_typer(cluster_app, name="cluster")
 app.command("profile")(profile_command)
 app.command("plan")(plan_command)
+app.command("simulate")(simulate_command)
+app.command("report")(report_command)
 app.add_typer(bench_app, name="bench")
 
 
