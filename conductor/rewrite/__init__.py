@@ -1,0 +1,138 @@
+"""``optimize``: the same function, with its matched blocks running as kernels.
+
+The function is traced once per argument signature, flattened (``jit``
+inlined), matched and decided; each call then re-evaluates the flattened
+jaxpr with ``bind``, calling the kernels in place of the matched regions.
+Because the result is ordinary traceable JAX, ``jax.jit`` and ``jax.grad``
+compose with it and the backward pass uses the kernels' custom VJPs.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from conductor._jaxpr import evaluate, flatten
+from conductor.decide import Decision, Policy, decide
+from conductor.match import Match, find
+from conductor.rewrite._substitute import substitution
+
+
+class ConductorWarning(UserWarning):
+    """The numerics guard found the rewritten function disagreeing with the original."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    closed: object
+    out_tree: object
+    chosen: list[tuple[Match, Decision]]
+    all: list[tuple[Match, Decision]]
+    guarded: bool = False
+    fallback: bool = False
+
+    def plan(self, jaxpr, path):
+        if self.fallback:
+            return ()
+        return [substitution(m, d) for m, d in self.chosen if m.level is jaxpr]
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct) or isinstance(x, jax.core.Tracer)
+
+
+def _split(args, kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+    static = tuple((i, x) for i, x in enumerate(leaves) if i not in set(dynamic))
+    return leaves, tree, dynamic, static
+
+
+def optimize(fn: Callable, *, policy: Policy | None = None) -> Callable:
+    """``fn`` with its attention and selective scans rewritten into kernels where the policy allows.
+
+    Args:
+      fn: any JAX function of arrays (a loss of (params, batch), a Flax ``apply``, a forward).
+        Non-array leaves of the arguments are treated as static.
+      policy: what may be rewritten and how (:class:`conductor.Policy`).
+    Returns:
+      A function with ``fn``'s signature. ``.inspect(*args)`` on it lists the matches and decisions.
+    Raises:
+      ConductorWarning (as a warning): the first concrete call disagreed with ``fn``; ``fn`` is used from then on.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, conductor
+      >>> def attn(q, k, v):
+      ...     return jax.nn.softmax(q @ k.T / 8.0) @ v
+      >>> fast = conductor.optimize(attn, policy=conductor.Policy(attention="force"))
+      >>> x = jnp.ones((64, 64))
+      >>> bool(jnp.allclose(fast(x, x, x), attn(x, x, x), atol=1e-5))
+      True
+    """
+    policy = policy or Policy()
+    cache: dict = {}
+
+    def entry_for(args, kwargs) -> tuple[_Entry, list]:
+        leaves, tree, dynamic, static = _split(args, kwargs)
+        avals = tuple(jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in dynamic)
+        key = (tree, static, avals)
+        if key not in cache:
+
+            def pure(*xs):
+                full = list(leaves)
+                for i, x in zip(dynamic, xs):
+                    full[i] = x
+                a, kw = jax.tree.unflatten(tree, full)
+                return fn(*a, **kw)
+
+            closed, out_tree = flatten(pure, *avals)
+            found = [(m, decide(m, policy)) for m in find(closed)]
+            chosen = [(m, d) for m, d in found if d.rewrite]
+            cache[key] = _Entry(closed, out_tree, chosen, found)
+        return cache[key], [leaves[i] for i in dynamic]
+
+    @functools.wraps(fn)
+    def optimized(*args, **kwargs):
+        entry, xs = entry_for(args, kwargs)
+        closed = entry.closed
+        outs = evaluate(closed.jaxpr, closed.consts, xs, plan=entry.plan)
+        if policy.guard and entry.chosen and not entry.guarded and not entry.fallback:
+            if not any(isinstance(x, jax.core.Tracer) for x in xs):
+                entry.guarded = True
+                expected = jax.tree.leaves(fn(*args, **kwargs))
+                bad = [
+                    i
+                    for i, (a, b) in enumerate(zip(outs, expected))
+                    if not np.allclose(np.asarray(a), np.asarray(b), rtol=policy.guard_rtol, atol=policy.guard_atol)
+                ]
+                if bad:
+                    entry.fallback = True
+                    worst = max(float(np.max(np.abs(np.asarray(outs[i]) - np.asarray(expected[i])))) for i in bad)
+                    warnings.warn(
+                        f"conductor: rewritten {fn.__name__} differs from the original by up to {worst:.3g} "
+                        f"(rtol={policy.guard_rtol}, atol={policy.guard_atol}); using the original",
+                        ConductorWarning,
+                        stacklevel=2,
+                    )
+                    outs = expected
+        return jax.tree.unflatten(entry.out_tree, outs)
+
+    def inspect_calls(*args, **kwargs) -> list[tuple[Match, Decision]]:
+        return list(entry_for(args, kwargs)[0].all)
+
+    optimized.inspect = inspect_calls  # type: ignore[attr-defined]
+    return optimized
+
+
+def inspect(fn: Callable, *args, policy: Policy | None = None, **kwargs) -> list[tuple[Match, Decision]]:
+    """The matches in ``fn(*args, **kwargs)`` (arrays or ``jax.ShapeDtypeStruct``s) with the decision on each.
+
+    Each entry is (:class:`Match`, :class:`Decision`): scope, pattern, shapes, and the
+    estimated memory and time as written vs rewritten on the policy's device.
+    """
+    return optimize(fn, policy=policy).inspect(*args, **kwargs)

@@ -1,0 +1,68 @@
+"""Build the substitute for one match: the kernel call plus the layout glue around it."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from conductor._jaxpr import Substitution
+from conductor.decide import Decision
+from conductor.kernels import attention, selective_scan
+from conductor.match import Match
+
+
+def substitution(match: Match, decision: Decision) -> Substitution:
+    """The :class:`Substitution` that runs ``match`` as the kernel ``decision`` chose."""
+    if match.pattern == "attention":
+        return _attention(match, decision)
+    return _scan(match, decision)
+
+
+def _attention(match: Match, decision: Decision) -> Substitution:
+    r = match.region
+    lay = r["layout"]
+    out_var = match.level.eqns[match.anchor].outvars[0]
+    n_batch = len(lay["batch"])
+    extras = lay["extras"]
+    extra_sizes = [r["extra_sizes"][lab] for lab in extras]
+    causal, scale = r["causal"], r["scale"]
+
+    def fn(q, k, v):
+        # query → (B*, T, G, D): batch dims, then extra query dims as heads; keys/values → (B*, S, 1, D)
+        q = jnp.transpose(q, lay["q_dims"])
+        bflat, t, d = q.shape[:n_batch], q.shape[-2], q.shape[-1]
+        q = q.reshape(-1, math.prod(extra_sizes), t, d).transpose(0, 2, 1, 3)
+        k = jnp.transpose(k, lay["k_dims"])
+        k = k.reshape(-1, k.shape[-2], 1, k.shape[-1])
+        v = jnp.transpose(v, lay["v_dims"])
+        v = v.reshape(-1, v.shape[-2], 1, v.shape[-1])
+        o = attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            block_sizes=decision.block_sizes,
+            implementation=decision.implementation,
+        )
+        o = o.transpose(0, 2, 1, 3).reshape(*bflat, *extra_sizes, t, o.shape[-1])
+        labels = [f"b{i}" for i in range(n_batch)] + extras + [lay["t_label"], "dv"]
+        o = jnp.transpose(o, [labels.index(lab) for lab in lay["out_labels"]])
+        return [o.astype(out_var.aval.dtype)]
+
+    return Substitution(anchor=match.anchor, inputs=(r["q"], r["k"], r["v"]), outvars=(out_var,), fn=fn)
+
+
+def _scan(match: Match, decision: Decision) -> Substitution:
+    sel = match.region["selective"]
+    ys = sel["ys"]
+
+    def fn(dt, a, v, b, c):
+        y = selective_scan(
+            dt, a, v, b, c, block_sizes=decision.block_sizes, implementation=decision.implementation
+        )  # (B, T, D)
+        return [jnp.swapaxes(y, 0, 1).astype(ys.aval.dtype)]  # the scan emitted it time-major
+
+    inputs = (sel["dt"], sel["a"], sel["v"], sel["b"], sel["c"])
+    return Substitution(anchor=match.anchor, inputs=inputs, outvars=(ys,), fn=fn)
