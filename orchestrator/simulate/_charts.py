@@ -146,7 +146,10 @@ def memory_png(
         ax.set_ylabel(f"memory per device ({bytes_unit})")
         ax.set_title("memory per device over one step (solid: simulated, dashed: plan's predicted peak)", fontsize=9)
     else:
+        from matplotlib.ticker import MaxNLocator
+
         ax.set_ylabel("microbatches in flight")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title("activations held per stage (no cost model: memory in bytes unknown)", fontsize=9)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

@@ -223,7 +223,8 @@ class _Engine:
             self.t = max(self.t, end)
             self.running[s] = None
             changed = True
-            self.events.append(Event(kind=op, stage=s, microbatch=i, start_s=start, end_s=end))  # type: ignore[arg-type]
+            if op != "optimizer" or end > start:  # a stage without optimizer work shows none
+                self.events.append(Event(kind=op, stage=s, microbatch=i, start_s=start, end_s=end))  # type: ignore[arg-type]
             if op == "forward" and s < self.S - 1 and self.overlap_p2p:
                 self._send(self._transfer("send_activation", s, i, blocking=False), self.inputs[s].to_next)
             if op == "backward":
@@ -245,6 +246,9 @@ class _Engine:
                 continue
             layer, _, work = self.inputs[s].buckets[k]
             changed = True
+            if work <= 0:  # nothing to synchronise (DP 1): no event
+                self.bucket_next[s] += 1
+                continue
             self.bucket_busy[s] = True
 
             def done(s: int = s) -> None:

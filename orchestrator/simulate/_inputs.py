@@ -158,8 +158,8 @@ def _check_model(plan: Plan, model) -> None:
     layers = [layer for st in plan.stages for layer in st.layers]
     if sorted(layers) != list(range(len(model.layers))):
         raise ValueError(
-            f"the plan's stages hold layers {min(layers)}–{max(layers)} ({len(layers)} in all) but the cost model "
-            f"has {len(model.layers)}: the plan was made for another model"
+            f"the plan's stages hold {len(layers)} layer slot(s) ({min(layers)}–{max(layers)}) but the cost model "
+            f"has layers 0–{len(model.layers) - 1}: the plan was made for another model"
         )
     devices = {d.ref: d for d in model.cluster.all_devices()}
     for s, st in enumerate(plan.stages):
