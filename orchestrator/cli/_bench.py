@@ -56,6 +56,20 @@ def fidelity(
     _report("fidelity: predicted vs XLA / measured", cases, as_json)
 
 
+@bench_app.command("torch")
+def torch_bench(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {capture, configs, checks}.")] = False,
+    preset: Annotated[str, typer.Option(help="GPT preset to train (small ones only: it runs on the CPU).")] = "gpt-tiny",
+    batch: Annotated[int, typer.Option(min=4, help="Global batch; divisible by 4.")] = 8,
+    seq: Annotated[int, typer.Option(min=1, help="Sequence length.")] = 64,
+    steps: Annotated[int, typer.Option(min=2, help="AdamW steps.")] = 5,
+) -> None:
+    """Torch GPT under DP, TP, DP×TP on 4 CPU XLA devices vs one device and the planner; exit 1 on a miss."""
+    from orchestrator.cli._torch import torch_command
+
+    torch_command(as_json=as_json, preset=preset, batch=batch, seq=seq, steps=steps)
+
+
 @bench_app.command("dag")
 def dag(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON {instances: [...]}.")] = False,

@@ -1,0 +1,212 @@
+"""Run a single-stage plan with PyTorch/XLA SPMD: one mesh, shardings from the plan, a step function.
+
+A plan stage with tensor-parallel degree t and data-parallel degree p becomes
+the mesh ``("data", "model") = (p, t)`` over all t·p devices. A parameter
+dimension whose logical axis name is in ``tp_axes`` is split over ``"model"``
+(Megatron: attention heads and MLP columns; XLA's SPMD partitioner then
+all-reduces the row-parallel outputs and the column-parallel input
+gradients), every other dimension is replicated, and the batch dimension of
+the inputs is split over ``"data"`` (XLA all-reduces the gradients over it).
+With ``zero=True`` the optimizer moments are in addition split over
+``"data"`` along their first replicated dimension that divides by p.
+
+Pipeline plans (more than one stage) are refused: torch_xla's SPMD mode
+compiles one program over one mesh that spans every device of the process
+(``xs.Mesh`` requires it), so stage submodules on disjoint device subsets
+cannot be expressed in it. Run a pipeline plan with the JAX executor, or
+re-plan with one stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from integrations.torch_xla._capture import scope_path
+from orchestrator.planner import Plan
+
+DEFAULT_TP_AXES = frozenset({"heads", "mlp"})
+
+
+class PlanNotSupported(ValueError):
+    """The plan asks for something this executor cannot run; the message says what and what to do."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """The mesh and per-parameter partition specs a plan was applied with.
+
+    Attributes:
+      dp, tp: mesh shape (``"data"``, ``"model"``).
+      param_specs: partition spec per torch parameter name (``None`` = replicated dim).
+      microbatches: gradient-accumulation steps per optimizer step.
+    """
+
+    dp: int
+    tp: int
+    param_specs: Mapping[str, tuple[str | None, ...]]
+    microbatches: int
+
+
+def partition_spec(
+    axes: Sequence[str | None] | None, shape: Sequence[int], tp: int, tp_axes: frozenset[str], name: str
+) -> tuple[str | None, ...]:
+    """The partition spec of one parameter: ``"model"`` on the first dim whose logical axis is in ``tp_axes``.
+
+    Raises:
+      PlanNotSupported: if that dim does not divide by ``tp``.
+    """
+    spec: list[str | None] = [None] * len(shape)
+    if tp == 1 or not axes:
+        return tuple(spec)
+    for dim, axis in enumerate(axes):
+        if axis in tp_axes:
+            if shape[dim] % tp:
+                raise PlanNotSupported(
+                    f"parameter {name!r}: dim {dim} ({axis}) has size {shape[dim]}, not divisible by tp={tp}; "
+                    "choose a tensor-parallel degree that divides it"
+                )
+            spec[dim] = "model"
+            break
+    return tuple(spec)
+
+
+def apply(
+    plan: Plan,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_fn: Callable | None = None,
+    param_axes: Mapping[str, Sequence[str | None]] | None = None,
+    tp_axes: frozenset[str] = DEFAULT_TP_AXES,
+    zero: bool = False,
+) -> Callable[..., torch.Tensor]:
+    """Shard ``module`` and ``optimizer`` per ``plan`` on the local XLA devices; return a step function.
+
+    Call it before any tensor is placed on an XLA device: it switches
+    torch_xla to SPMD mode (``torch_xla.runtime.use_spmd()``), moves the module
+    to the XLA device and repoints ``optimizer`` at the moved parameters.
+
+    Args:
+      plan: a one-stage plan (``orchestrator.planner.Plan``) whose stage has
+        tp·dp devices, as many as torch_xla sees (``CPU_NUM_DEVICES`` on CPU).
+      module: the model, on the CPU.
+      optimizer: built over ``module.parameters()``; its state moves along.
+      loss_fn: ``loss_fn(module(*inputs), target)``; None if the module returns the loss.
+      param_axes: logical axis names per parameter in Flax form
+        (``blocks_0/mlp/c_fc/kernel``: ``("embed", "mlp")``); needed for tp > 1.
+      tp_axes: the logical axes the ``"model"`` mesh axis splits.
+      zero: also split the optimizer moments over ``"data"`` (ZeRO stage 1).
+
+    Returns:
+      ``step(*inputs, target)`` (or ``step(*inputs)`` without ``loss_fn``):
+      one optimizer step over the plan's microbatches, returning the mean loss
+      as a 0-d XLA tensor. ``step.layout`` is the :class:`Layout` used.
+
+    Raises:
+      PlanNotSupported: a pipeline plan, a device count that differs from the
+        local one, tp > 1 without ``param_axes``, or a dim that does not divide.
+    """
+    if len(plan.stages) != 1:
+        raise PlanNotSupported(
+            f"the plan has {len(plan.stages)} pipeline stages; integrations.torch_xla runs one-stage plans only "
+            "(torch_xla SPMD compiles one program over a mesh of all devices): re-plan with one stage"
+        )
+    [stage] = plan.stages
+    tp, dp = stage.tp, stage.dp
+    if tp > 1 and not param_axes:
+        raise PlanNotSupported(f"tp={tp} needs param_axes= (logical axis names of the parameters)")
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    devices = xr.global_runtime_device_count()
+    if tp * dp != devices:
+        raise PlanNotSupported(
+            f"the plan's stage uses tp·dp = {tp}·{dp} = {tp * dp} devices but torch_xla sees {devices}; "
+            f"set CPU_NUM_DEVICES={tp * dp} (PJRT_DEVICE=CPU) or re-plan for {devices} devices"
+        )
+    mesh = xs.Mesh(np.arange(devices), (dp, tp), ("data", "model"))
+    device = torch_xla.device()
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    module.to(device)
+    moved = dict(module.named_parameters())
+    _repoint(optimizer, names, moved, device)
+    specs = {}
+    for name, param in moved.items():
+        path = scope_path(name)
+        specs[name] = partition_spec((param_axes or {}).get(path), param.shape, tp, tp_axes, path)
+        xs.mark_sharding(param, mesh, specs[name])
+    layout = Layout(dp=dp, tp=tp, param_specs=specs, microbatches=plan.microbatches)
+    state_sharded = False
+
+    def shard_state() -> None:
+        for name, param in moved.items():
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    xs.mark_sharding(value, mesh, _zero_spec(specs[name], param.shape, dp) if zero else specs[name])
+
+    def step(*batch: torch.Tensor) -> torch.Tensor:
+        nonlocal state_sharded
+        optimizer.zero_grad(set_to_none=True)
+        total = None
+        for micro in _microbatches(batch, plan.microbatches):
+            micro = [_to_mesh(t, device, mesh, xs) for t in micro]
+            out = module(*micro[:-1]) if loss_fn is not None else module(*micro)
+            loss = (loss_fn(out, micro[-1]) if loss_fn is not None else out) / plan.microbatches
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        optimizer.step()
+        if not state_sharded:  # torch optimizers create their state in the first step
+            shard_state()
+            state_sharded = True
+        torch_xla.sync()
+        return total
+
+    step.layout = layout
+    return step
+
+
+def _zero_spec(spec: tuple[str | None, ...], shape: Sequence[int], dp: int) -> tuple[str | None, ...]:
+    """``spec`` with ``"data"`` on the first replicated dim that divides by ``dp`` (unchanged if none does)."""
+    for dim, (axis, size) in enumerate(zip(spec, shape)):
+        if axis is None and size % dp == 0 and dp > 1:
+            return (*spec[:dim], "data", *spec[dim + 1 :])
+    return spec
+
+
+def _microbatches(batch: Sequence[torch.Tensor], count: int) -> list[list[torch.Tensor]]:
+    size = batch[0].shape[0]
+    if size % count:
+        raise PlanNotSupported(f"batch of {size} does not split into {count} microbatches")
+    chunks = [t.chunk(count, dim=0) for t in batch]
+    return [[c[i] for c in chunks] for i in range(count)]
+
+
+def _to_mesh(tensor: torch.Tensor, device, mesh, xs) -> torch.Tensor:
+    """The tensor on the XLA device with its batch dim split over ``"data"``."""
+    tensor = tensor.to(device)
+    xs.mark_sharding(tensor, mesh, ("data",) + (None,) * (tensor.dim() - 1))
+    return tensor
+
+
+def _repoint(optimizer: torch.optim.Optimizer, names: dict[int, str], moved: dict[str, nn.Parameter], device) -> None:
+    """Replace the optimizer's parameters (and state keys) by the moved ones."""
+    for group in optimizer.param_groups:
+        old = group["params"]
+        try:
+            group["params"] = [moved[names[id(p)]] for p in old]
+        except KeyError:
+            raise PlanNotSupported("the optimizer holds tensors that are not parameters of the module") from None
+        for before, after in zip(old, group["params"]):
+            if before in optimizer.state:
+                optimizer.state[after] = {
+                    k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                    for k, v in optimizer.state.pop(before).items()
+                }
