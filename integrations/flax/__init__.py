@@ -1,21 +1,30 @@
 """JAX/Flax integration: capture a training step into Orchestrator's op-graph."""
 
 from integrations.flax._capture import CaptureWarning, capture, is_param_path, param_logical_axes, parse_name_stack
+from integrations.flax._pipeline import Pipeline, cut_stages
 from integrations.flax._profile import profile_layers
+from integrations.flax._shard import shard, stage_mesh, state_shardings
 from integrations.flax._slice import SlicedStep
+from integrations.flax._step import compile_step
 from integrations.flax._xla import XlaFlops, XlaProgram, hlo_collective_bytes, xla_flops, xla_program
 
 __all__ = [
     "CaptureWarning",
+    "Pipeline",
     "SlicedStep",
     "XlaFlops",
     "XlaProgram",
     "capture",
+    "compile_step",
+    "cut_stages",
     "hlo_collective_bytes",
     "is_param_path",
     "param_logical_axes",
     "parse_name_stack",
     "profile_layers",
+    "shard",
+    "stage_mesh",
+    "state_shardings",
     "xla_flops",
     "xla_program",
 ]

@@ -1,0 +1,486 @@
+"""Run a multi-stage plan as an MPMD pipeline: one jitted forward and backward per stage, each on its own mesh.
+
+**Where the stages come from.** The user's train step is traced at the
+microbatch shape and flattened (:class:`~integrations.flax.SlicedStep`), which
+ties every flat equation to the captured op it produced; the coarsened layers
+then say which stage each forward op belongs to. A stage's forward function is
+its forward equations, closed over what they read from outside: parameters
+(its own, and parameters owned by an earlier stage that it reads again, such as
+a tied embedding), batch leaves, and activations computed by earlier stages.
+Its outputs are the values later stages read, and, on the stage that computes
+it, the step's ``"loss"`` metric. We cut the traced step rather than Flax
+modules because it needs nothing from the model: any function whose layers the
+op-graph finds splits the same way (a test does it for a residual MLP written
+in the test), and the cut is exactly the graph the planner costed.
+
+**Backward and update.** Each stage's backward is ``jax.vjp`` of its forward:
+the forward program returns the VJP residuals (or, under ``recompute``, the
+backward program recomputes them), the backward program takes the cotangents
+of its outputs (``1/M`` for the loss of each of the M microbatches, so the
+gradient is the mean over microbatches) and returns parameter gradients and
+the cotangents of its inputs, which go back to the stages that produced them.
+Gradients are summed over microbatches per stage; a parameter read by several
+stages has its partial gradients moved to its owner and added. Each stage then
+applies ``state.apply_gradients`` to the parameters and optimizer-state leaves
+it owns (other leaves masked out as ``None``), which equals the single-program
+update for any optimizer that acts leaf by leaf (AdamW, SGD, Adam; not a global
+gradient-norm clip).
+
+**Schedule.** GPipe: each stage runs all forwards, then all backwards. 1F1B:
+stage s runs ``min(S − s − 1, M)`` warm-up forwards, then alternates one
+forward and one backward, then drains. The per-stage lists are merged into one
+dispatch order that respects dependencies; jax dispatches asynchronously, so
+stages on disjoint devices overlap.
+
+**Data parallelism inside a stage** is XLA's: the stage programs see the
+microbatch split over ``"data"`` and the parameters replicated over it, so the
+backward program all-reduces each microbatch's gradients (M syncs per step, not
+one: a known cost of this executor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from integrations.flax._capture import _key_name, capture, is_param_path, param_path_name
+from integrations.flax._shard import DATA, device_map, leaf_params, param_owners, param_spec, stage_mesh
+from integrations.flax._slice import SlicedStep
+
+Kind = str  # "param" | "batch" | "act"
+
+
+@dataclass(slots=True)
+class StageProgram:
+    """The forward of one stage as a closed jaxpr with typed inputs and outputs.
+
+    ``inputs``: per jaxpr invar, ``("param", path)``, ``("batch", leaf index)`` or
+    ``("act", producer stage, key)``; ``outputs``: keys of the activations it
+    produces (consumed by later stages), then ``"loss"`` if it computes it.
+    """
+
+    index: int
+    closed: jcore.ClosedJaxpr
+    inputs: list[tuple]
+    outputs: list[object]
+    consumers: dict[object, list[int]] = field(default_factory=dict)
+
+
+def _out_loss_index(train_step, state, batch) -> int:
+    leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(train_step, state, batch))[0]
+    for i, (path, _) in enumerate(leaves):
+        names = [_key_name(k) for k in path]
+        if names and names[0] == "1" and names[-1] == "loss":
+            return i
+    raise ValueError("a pipelined train step must return (state, metrics) with metrics['loss'] (the mean loss)")
+
+
+def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[StageProgram]:
+    """Cut ``train_step`` traced at ``batch``'s shape into one forward program per stage of ``plan``.
+
+    Args:
+      train_step, state, batch: the step and abstract (or concrete) arguments at the microbatch shape.
+      plan: the plan; its stages index ``layers``.
+      layers: the layers the plan was made for (matched to this trace's layers by name).
+
+    Raises:
+      ValueError: the layers do not match, a layer is in no stage, or stages read backwards.
+    """
+    from orchestrator.coarsen import coarsen
+
+    graph = capture(train_step, state, batch)
+    mine = coarsen(graph)
+    if [layer.name for layer in mine] != [layer.name for layer in layers]:
+        raise ValueError(
+            "the step traced at the microbatch shape coarsens into different layers than the plan's: "
+            f"{[layer.name for layer in mine]} vs {[layer.name for layer in layers]}"
+        )
+    stage_of_layer = {index: s for s, stage in enumerate(plan.stages) for index in stage.layers}
+    missing = sorted(set(range(len(mine))) - set(stage_of_layer))
+    if missing:
+        raise ValueError(f"layers {missing} belong to no stage of the plan")
+    stage_of_op = {op: stage_of_layer[layer.index] for layer in mine for op in layer.ops}
+    sliced = SlicedStep(train_step, state, batch, graph=graph)
+
+    leaves = jax.tree_util.tree_flatten_with_path((state, batch))[0]
+    n_state = len(jax.tree_util.tree_leaves(state))
+    invar_kind: dict[object, tuple] = {}
+    for i, ((path, _), var) in enumerate(zip(leaves, sliced.invars)):
+        if i >= n_state:
+            invar_kind[var] = ("batch", i - n_state)
+        elif is_param_path(path[1:]):
+            invar_kind[var] = ("param", param_path_name(path))
+        else:
+            invar_kind[var] = ("state", jax.tree_util.keystr(path))
+    loss_var = sliced.outvars[_out_loss_index(train_step, state, batch)]
+
+    n = len(plan.stages)
+    eqns: list[list] = [[] for _ in range(n)]
+    producer: dict[object, int] = {}
+    for item, names in zip(sliced.flat, sliced.ops_of):
+        phases = {graph.op(name).phase for name in names}
+        if phases != {"forward"}:
+            continue
+        stages = {stage_of_op[name] for name in names}
+        if len(stages) != 1:
+            raise ValueError(f"one equation spans stages {sorted(stages)}")
+        [s] = stages
+        eqns[s].append(item.eqn)
+        for var in item.eqn.outvars:
+            producer[var] = s
+    if loss_var not in producer:
+        raise ValueError("the loss is not computed by a forward op of any stage")
+
+    programs = []
+    reads: list[set] = []
+    for s in range(n):
+        produced, inputs, seen = set(), [], set()
+        for eqn in eqns[s]:
+            for atom in eqn.invars:
+                if isinstance(atom, jcore.Literal) or atom in produced or atom in seen:
+                    continue
+                seen.add(atom)
+                inputs.append(atom)
+            produced.update(eqn.outvars)
+        reads.append(seen)
+        kinds, const_inputs, var_inputs = [], [], []
+        for atom in inputs:
+            if atom in sliced.consts:
+                const_inputs.append(atom)
+            elif atom in invar_kind:
+                kind = invar_kind[atom]
+                if kind[0] == "state":
+                    raise ValueError(f"stage {s} reads the non-parameter state leaf {kind[1]}; it cannot be pipelined")
+                var_inputs.append(atom)
+                kinds.append(kind)
+            elif atom in producer:
+                if producer[atom] >= s:
+                    raise ValueError(
+                        f"stage {s} reads a value of later stage {producer[atom]}: stages must be in order"
+                    )
+                var_inputs.append(atom)
+                kinds.append(("act", producer[atom], atom))
+            else:
+                raise ValueError(f"stage {s} reads a value no forward op produces ({atom.aval})")
+        programs.append((s, const_inputs, var_inputs, kinds))
+
+    out = []
+    for s, const_inputs, var_inputs, kinds in programs:
+        later = set().union(*reads[s + 1 :]) if s + 1 < n else set()
+        outputs = [v for eqn in eqns[s] for v in eqn.outvars if v in later]
+        if producer[loss_var] == s:
+            outputs.append(loss_var)
+        debug = jcore.DebugInfo(
+            "orchestrator stage",
+            f"stage {s}",
+            tuple(f"in{i}" for i in range(len(var_inputs))),
+            tuple(f"out{i}" for i in range(len(outputs))),
+        )
+        jaxpr = jcore.Jaxpr(const_inputs, var_inputs, outputs, eqns[s], debug_info=debug)
+        closed = jcore.ClosedJaxpr(jaxpr, [sliced.consts[a] for a in const_inputs])
+        keys = ["loss" if v is loss_var else v for v in outputs]
+        consumers = {v: [t for t in range(s + 1, n) if v in reads[t]] for v in outputs if v is not loss_var}
+        out.append(StageProgram(index=s, closed=closed, inputs=kinds, outputs=keys, consumers=consumers))
+    return out
+
+
+def schedule_order(stages: int, microbatches: int, schedule: str) -> list[list[tuple[str, int]]]:
+    """Per stage, its ("F" | "B", microbatch) sequence under GPipe or 1F1B."""
+    orders = []
+    for s in range(stages):
+        if schedule == "gpipe":
+            orders.append([("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)])
+            continue
+        warm = min(stages - s - 1, microbatches)
+        seq = [("F", m) for m in range(warm)]
+        f, b = warm, 0
+        while f < microbatches:
+            seq += [("F", f), ("B", b)]
+            f, b = f + 1, b + 1
+        seq += [("B", m) for m in range(b, microbatches)]
+        orders.append(seq)
+    return orders
+
+
+def _is_float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+class Pipeline:
+    """``step(state, batch) -> (state, {"loss": mean over microbatches})`` for a multi-stage plan.
+
+    Args:
+      plan: the plan (stages, schedule, microbatches).
+      train_step: the user's step (``value_and_grad`` of a mean loss, then ``state.apply_gradients``).
+      state: the state placed by :func:`~integrations.flax.shard` with the same ``layers``.
+      layers: the coarsened layers of the step the plan was made for.
+      param_axes: logical axis names by parameter path (tensor parallelism inside stages).
+      cluster: resolves the plan's device refs.
+    """
+
+    def __init__(self, plan, train_step: Callable, state, *, layers, param_axes=None, cluster=None):
+        self.plan, self.train_step, self.layers = plan, train_step, layers
+        self.param_axes = param_axes or {}
+        devices = device_map(cluster)
+        self.meshes = [stage_mesh(stage, devices) for stage in plan.stages]
+        self.owners = param_owners(plan, layers)
+        self._built: dict[str, tuple] = {}
+        # Per state leaf: the stage owning it (a parameter or its optimizer moments), None if shared.
+        self.leaf_owner = [None if name is None else self.owners[name] for name, _ in leaf_params(state)]
+        self._updates = [self._update_fn(s) for s in range(len(plan.stages))]
+
+    # -- placement --------------------------------------------------------------
+    def act_sharding(self, s: int, aval, microbatch: int) -> NamedSharding:
+        """Activations (and their cotangents) on stage ``s``: split over "data" on the batch dim."""
+        dp = self.plan.stages[s].dp
+        batch_major = aval.ndim >= 1 and aval.shape[0] == microbatch and microbatch % dp == 0
+        return NamedSharding(self.meshes[s], P(DATA) if batch_major else P())
+
+    def param_sharding(self, s: int, path: str, shape) -> NamedSharding:
+        return NamedSharding(self.meshes[s], param_spec(shape, self.param_axes.get(path), self.plan.stages[s].tp))
+
+    # -- programs -----------------------------------------------------------------
+    def _build(self, state, batch):
+        m = self.plan.microbatches
+        sizes = {np.shape(leaf)[0] for leaf in jax.tree.leaves(batch)}
+        if len(sizes) != 1 or next(iter(sizes)) % m:
+            raise ValueError(f"every batch leaf needs a leading dim divisible by {m} microbatches, got sizes {sizes}")
+        micro = next(iter(sizes)) // m
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct((micro, *np.shape(x)[1:]), x.dtype), batch)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        programs = cut_stages(self.train_step, abstract, spec, plan=self.plan, layers=self.layers)
+        fns = [self._stage_fns(p) for p in programs]
+        return micro, programs, fns
+
+    def _stage_fns(self, program: StageProgram):
+        fun = jcore.jaxpr_as_fun(program.closed)
+        avals = program.closed.in_avals
+        diff = [
+            i for i, (kind, aval) in enumerate(zip(program.inputs, avals)) if kind[0] != "batch" and _is_float(aval)
+        ]
+        out_avals = program.closed.out_avals
+        diff_out = [i for i, aval in enumerate(out_avals) if _is_float(aval)]
+
+        def split(args):
+            return [args[i] for i in diff]
+
+        def run(diff_args, args):
+            full = list(args)
+            for i, a in zip(diff, diff_args):
+                full[i] = a
+            outs = fun(*full)
+            return [outs[i] for i in diff_out], outs
+
+        def forward(args):
+            _, vjp, outs = jax.vjp(lambda d: run(d, args), split(args), has_aux=True)
+            return outs, vjp
+
+        def forward_only(args):
+            return fun(*args)
+
+        params = [j for j, i in enumerate(diff) if program.inputs[i][0] == "param"]
+
+        def accumulate(grads, acc):
+            """(acc + parameter gradients, activation cotangents): gradients summed over microbatches."""
+            new = [a + grads[j] for a, j in zip(acc, params)]
+            return new, [g for j, g in enumerate(grads) if j not in params]
+
+        def backward(vjp, cts, acc):
+            (grads,) = vjp([cts[i] for i in diff_out])
+            return accumulate(grads, acc)
+
+        def backward_recompute(args, cts, acc):
+            _, vjp, _ = jax.vjp(lambda d: run(d, args), split(args), has_aux=True)
+            (grads,) = vjp([cts[i] for i in diff_out])
+            return accumulate(grads, acc)
+
+        recompute = self.plan.stages[program.index].recompute
+        return {
+            "diff": diff,
+            "param_inputs": [diff[j] for j in params],
+            "act_inputs": [i for j, i in enumerate(diff) if j not in params],
+            "forward": jax.jit(forward_only if recompute else forward),
+            "backward": jax.jit(backward_recompute if recompute else backward, donate_argnums=(2,)),
+            "recompute": recompute,
+            "out_avals": out_avals,
+        }
+
+    def _update_fn(self, s: int):
+        def update(state, grads, extra):
+            """``extra``: path → gradient contributions of other stages reading this stage's parameters."""
+            grads = jax.tree_util.tree_map_with_path(
+                lambda path, g: g + sum(extra.get(param_path_name(path), [])), grads
+            )
+            return state.apply_gradients(grads=grads)
+
+        return jax.jit(update, donate_argnums=(0,))
+
+    # -- one step -----------------------------------------------------------------
+    def __call__(self, state, batch):
+        key = str(jax.tree.map(lambda x: (np.shape(x), str(x.dtype)), batch))
+        if key not in self._built:
+            self._built[key] = self._build(state, batch)
+        micro, programs, fns = self._built[key]
+        plan, n, m = self.plan, len(self.plan.stages), self.plan.microbatches
+        batch_leaves = jax.tree.leaves(batch)
+        flat_state, treedef = jax.tree_util.tree_flatten(state)
+        params = {
+            param_path_name(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+            if is_param_path(path)
+        }
+
+        # Parameters each stage reads, placed on its mesh (foreign ones copied once per step).
+        stage_params = []
+        for p in programs:
+            placed = {}
+            for kind in p.inputs:
+                if kind[0] == "param" and kind[1] not in placed:
+                    leaf = params[kind[1]]
+                    placed[kind[1]] = jax.device_put(leaf, self.param_sharding(p.index, kind[1], leaf.shape))
+            stage_params.append(placed)
+
+        acts: dict[tuple[int, int, object], jax.Array] = {}  # (consumer stage, microbatch, key) → array
+        residuals: dict[tuple[int, int], object] = {}
+        cts: dict[tuple[int, int, object], jax.Array] = {}  # (producer stage, microbatch, key) → summed cotangent
+        accumulated: list[list | None] = [None] * n  # per stage: gradient sums of the parameters it reads
+        param_shardings = [
+            [stage_params[s][programs[s].inputs[i][1]].sharding for i in fns[s]["param_inputs"]] for s in range(n)
+        ]
+        losses = []
+
+        def args_of(s: int, mb: int) -> list:
+            out = []
+            for kind in programs[s].inputs:
+                if kind[0] == "param":
+                    out.append(stage_params[s][kind[1]])
+                elif kind[0] == "batch":
+                    leaf = batch_leaves[kind[1]][mb * micro : (mb + 1) * micro]
+                    out.append(jax.device_put(leaf, self.act_sharding(s, leaf, micro)))
+                else:
+                    out.append(acts[(s, mb, kind[2])])
+            return out
+
+        def run_forward(s: int, mb: int) -> None:
+            p, f = programs[s], fns[s]
+            args = args_of(s, mb)
+            if f["recompute"]:
+                outs = f["forward"](args)
+                residuals[(s, mb)] = args
+            else:
+                outs, vjp = f["forward"](args)
+                residuals[(s, mb)] = vjp
+            for key, value in zip(p.outputs, outs):
+                if key == "loss":
+                    losses.append(value)
+                    continue
+                for t in p.consumers[key]:
+                    acts[(t, mb, key)] = jax.device_put(value, self.act_sharding(t, value, micro))
+            if not f["recompute"]:
+                for kind in p.inputs:  # activations read only through the residuals from now on
+                    if kind[0] == "act":
+                        acts.pop((s, mb, kind[2]), None)
+
+        def run_backward(s: int, mb: int) -> None:
+            p, f = programs[s], fns[s]
+            out_cts = []
+            for key, aval in zip(p.outputs, f["out_avals"]):
+                if key == "loss":
+                    seed = np.full(aval.shape, 1.0 / m, aval.dtype)
+                    out_cts.append(jax.device_put(seed, NamedSharding(self.meshes[s], P())))
+                else:
+                    out_cts.append(cts.pop((s, mb, key)))
+            saved = residuals.pop((s, mb))
+            acc = accumulated[s]
+            if acc is None:
+                acc = [
+                    jax.device_put(np.zeros(p.closed.in_avals[i].shape, p.closed.in_avals[i].dtype), sharding)
+                    for i, sharding in zip(f["param_inputs"], param_shardings[s])
+                ]
+            accumulated[s], in_cts = f["backward"](saved, out_cts, acc)
+            if f["recompute"]:
+                for kind in p.inputs:
+                    if kind[0] == "act":
+                        acts.pop((s, mb, kind[2]), None)
+            for i, ct in zip(f["act_inputs"], in_cts):
+                _, producer, key = p.inputs[i]
+                ct = jax.device_put(ct, self.act_sharding(producer, ct, micro))
+                prev = cts.get((producer, mb, key))
+                cts[(producer, mb, key)] = ct if prev is None else _add(prev, ct)
+
+        orders = schedule_order(n, m, plan.schedule)
+        done: set[tuple[str, int, int]] = set()
+        needs_forward = [{kind[1] for kind in p.inputs if kind[0] == "act"} for p in programs]
+        feeds = [{t for ts in p.consumers.values() for t in ts} for p in programs]
+        position = [0] * n
+        while any(position[s] < len(orders[s]) for s in range(n)):
+            progressed = False
+            for s in range(n):
+                if position[s] >= len(orders[s]):
+                    continue
+                op, mb = orders[s][position[s]]
+                if op == "F" and all(("F", j, mb) in done for j in needs_forward[s]):
+                    run_forward(s, mb)
+                elif op == "B" and ("F", s, mb) in done and all(("B", t, mb) in done for t in feeds[s]):
+                    run_backward(s, mb)
+                else:
+                    continue
+                done.add((op, s, mb))
+                position[s] += 1
+                progressed = True
+            if not progressed:
+                raise RuntimeError(f"pipeline schedule {plan.schedule!r} deadlocked at {position}")
+
+        # Gradients of parameters read by several stages go to their owner.
+        grads: list[dict[str, jax.Array]] = [{} for _ in range(n)]
+        extra: list[dict[str, list]] = [{} for _ in range(n)]
+        for s in range(n):
+            for i, g in zip(fns[s]["param_inputs"], accumulated[s] or []):
+                path = programs[s].inputs[i][1]
+                owner = self.owners[path]
+                if owner == s:
+                    grads[s][path] = g
+                else:
+                    g = jax.device_put(g, self.param_sharding(owner, path, g.shape))
+                    extra[owner].setdefault(path, []).append(g)
+
+        new_leaves: list = [None] * len(flat_state)
+        shared = {  # step counters, copied to every stage before any update donates them
+            (s, i): jax.device_put(leaf, NamedSharding(self.meshes[s], P()), may_alias=False)
+            for s in range(n)
+            for i, leaf in enumerate(flat_state)
+            if self.leaf_owner[i] is None
+        }
+        for s in range(n):
+            masked = [
+                leaf if self.leaf_owner[i] == s else shared[(s, i)] if self.leaf_owner[i] is None else None
+                for i, leaf in enumerate(flat_state)
+            ]
+            masked_state = jax.tree_util.tree_unflatten(treedef, masked)
+            masked_grads = jax.tree_util.tree_map_with_path(
+                lambda path, leaf, s=s: (
+                    (grads[s].get(param_path_name(path), None) if self.owners[param_path_name(path)] == s else None)
+                    if self.owners[param_path_name(path)] != s or param_path_name(path) in grads[s]
+                    else jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+                ),
+                state.params,
+            )
+            updated = jax.tree_util.tree_leaves(self._updates[s](masked_state, masked_grads, extra[s]))
+            positions = [i for i in range(len(flat_state)) if self.leaf_owner[i] in (s, None)]
+            for i, leaf in zip(positions, updated):
+                if self.leaf_owner[i] == s or s == 0:
+                    new_leaves[i] = leaf
+        loss = jnp.mean(jnp.stack(losses))
+        return jax.tree_util.tree_unflatten(treedef, new_leaves), {"loss": loss}
+
+
+@jax.jit
+def _add(a, b):
+    return a + b

@@ -1,0 +1,232 @@
+"""Place a TrainState on the devices a :class:`~orchestrator.planner.Plan` names.
+
+Every stage gets a 2-D mesh ``("data", "model")`` of shape ``(dp, tp)`` over
+its devices. A parameter is placed on the mesh of the stage that owns it (the
+stage holding the layer that first reads it, ``Layer.params``); its
+``PartitionSpec`` comes from its logical axis names by the rule
+
+    dim i  → "model"   for the first dim whose logical name is in ``tp_axes``
+                       (``heads``, ``mlp``, ``vocab``) and whose size tp divides
+    dim i  → None      otherwise (replicated over "data": plain data parallelism)
+
+which is Megatron's column/row split for the recipes' kernels and is the same
+rule the cost model prices (``orchestrator.costs._sharding``). Optimizer-state
+leaves whose key path ends with a parameter's key path and have its shape
+(AdamW's ``mu``, ``nu``) follow that parameter; with ``zero=True`` they are
+additionally split over ``"data"`` on their first free dimension that dp
+divides (ZeRO-1). Every other leaf (step counters) is replicated on the first
+stage's mesh. A batch is split over ``"data"`` on its first dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from integrations.flax._capture import is_param_path, param_path_name
+from orchestrator.costs import DEFAULT_TP_AXES
+
+DATA, MODEL = "data", "model"
+
+
+def device_map(cluster=None) -> dict[str, jax.Device]:
+    """Device ref (``host/index``) → jax device.
+
+    With a cluster, its in-service devices are matched to ``jax.devices()`` in
+    order (the ``local`` cluster is built from ``jax.devices()``, so ref
+    ``localhost/i`` is ``jax.devices()[i]``). Without one, ``<anything>/i`` is
+    ``jax.devices()[i]``.
+
+    Raises:
+      ValueError: the cluster has a different number of devices than jax sees.
+    """
+    devices = jax.devices()
+    if cluster is None:
+        return {f"localhost/{i}": d for i, d in enumerate(devices)}
+    refs = [d.ref for d in cluster.all_devices()]
+    if len(refs) != len(devices):
+        raise ValueError(
+            f"cluster {cluster.name!r} has {len(refs)} devices but jax sees {len(devices)}; "
+            "plan for load_cluster('local') or start jax with as many devices"
+        )
+    return dict(zip(refs, devices))
+
+
+def _lookup(devices: Mapping[str, jax.Device], ref: str) -> jax.Device:
+    if ref in devices:
+        return devices[ref]
+    index = ref.rsplit("/", 1)[-1]
+    if index.isdigit() and int(index) < len(jax.devices()) and not any(r.endswith(f"/{index}") for r in devices):
+        return jax.devices()[int(index)]
+    raise ValueError(f"plan names device {ref!r}, which is not among this process's devices ({len(devices)} known)")
+
+
+def stage_mesh(stage, devices: Mapping[str, jax.Device] | None = None) -> Mesh:
+    """The ``(dp, tp)`` mesh ``("data", "model")`` over a stage's devices, in the plan's order.
+
+    Raises:
+      ValueError: the stage lists a different number of devices than tp·dp.
+    """
+    devices = devices if devices is not None else device_map()
+    if len(stage.devices) != stage.tp * stage.dp:
+        raise ValueError(f"stage has {len(stage.devices)} devices but tp·dp = {stage.tp}·{stage.dp}")
+    grid = np.array([_lookup(devices, r) for r in stage.devices], dtype=object).reshape(stage.dp, stage.tp)
+    return Mesh(grid, (DATA, MODEL))
+
+
+def param_spec(shape: Sequence[int], axes: Sequence[str | None] | None, tp: int, tp_axes=DEFAULT_TP_AXES) -> P:
+    """The PartitionSpec of one parameter under tensor-parallel degree ``tp`` (see module docstring)."""
+    spec: list[str | None] = [None] * len(shape)
+    if tp > 1 and axes:
+        for i, (name, size) in enumerate(zip(axes, shape)):
+            if name in tp_axes and size % tp == 0:
+                spec[i] = MODEL
+                break
+    return P(*spec)
+
+
+def _zero_spec(spec: P, shape: Sequence[int], dp: int) -> P:
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (entry, size) in enumerate(zip(entries, shape)):
+        if entry is None and size % dp == 0:
+            entries[i] = DATA
+            return P(*entries)
+    return spec
+
+
+def _names(path) -> tuple[str, ...]:
+    from integrations.flax._capture import _key_name
+
+    return tuple(_key_name(k) for k in path)
+
+
+def leaf_params(state) -> list[tuple[str | None, bool]]:
+    """Per leaf of ``state``: (the parameter path it belongs to or None, whether it is that parameter).
+
+    A parameter belongs to itself; an optimizer-state leaf belongs to the
+    parameter whose key path (below ``params``) is the longest suffix of its
+    own and whose shape it has (AdamW's ``mu``/``nu``); anything else to none.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    params = {}  # key names below "params" → (path string, shape)
+    for path, leaf in leaves:
+        if is_param_path(path):
+            name = param_path_name(path)
+            params[tuple(name.split("/"))] = (name, tuple(leaf.shape))
+    out = []
+    for path, leaf in leaves:
+        if is_param_path(path):
+            out.append((param_path_name(path), True))
+            continue
+        names = _names(path)
+        best = None
+        for key, (name, shape) in params.items():
+            if len(names) > len(key) and names[-len(key) :] == key and shape == tuple(leaf.shape):
+                if best is None or len(key) > len(best[0]):
+                    best = (key, name)
+        out.append((None if best is None else best[1], False))
+    return out
+
+
+def param_owners(plan, layers) -> dict[str, int]:
+    """Parameter path → index of the stage that owns it (holds the layer that first reads it)."""
+    owners = {}
+    for s, stage in enumerate(plan.stages):
+        for index in stage.layers:
+            for path in layers[index].params:
+                owners[path] = s
+    return owners
+
+
+def state_shardings(
+    plan,
+    state,
+    *,
+    param_axes: Mapping[str, Sequence[str | None]] | None = None,
+    owners: Mapping[str, int] | None = None,
+    cluster=None,
+    zero: bool = False,
+    tp_axes=DEFAULT_TP_AXES,
+):
+    """A pytree of ``NamedSharding`` mirroring ``state`` (see module docstring).
+
+    Args:
+      plan: the plan; stage ``s`` runs on ``stage_mesh(plan.stages[s])``.
+      state: a TrainState (arrays or ``ShapeDtypeStruct``s) or any pytree with parameters under ``params``.
+      param_axes: logical axis names by parameter path (``Recipe.param_axes()``); none → TP shards nothing.
+      owners: parameter path → stage; required when the plan has several stages.
+      cluster: resolves device refs (:func:`device_map`).
+      zero: shard optimizer moments over ``"data"`` too.
+
+    Raises:
+      ValueError: a multi-stage plan without ``owners``, or a parameter no stage owns.
+    """
+    devices = device_map(cluster)
+    meshes = [stage_mesh(s, devices) for s in plan.stages]
+    if len(plan.stages) > 1 and owners is None:
+        raise ValueError("a multi-stage plan needs owners= (parameter path → stage; see param_owners)")
+    param_axes = param_axes or {}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    belongs = leaf_params(state)
+
+    def owner_of(name: str) -> int:
+        if owners is None:
+            return 0
+        if name not in owners:
+            raise ValueError(f"parameter {name!r} belongs to no stage of the plan")
+        return owners[name]
+
+    def param_sharding(name: str, shape, *, moment: bool) -> NamedSharding:
+        s = owner_of(name)
+        stage = plan.stages[s]
+        spec = param_spec(shape, param_axes.get(name), stage.tp, tp_axes)
+        if moment and zero and stage.dp > 1:
+            spec = _zero_spec(spec, shape, stage.dp)
+        return NamedSharding(meshes[s], spec)
+
+    out = []
+    for (_, leaf), (name, is_param) in zip(leaves, belongs):
+        if name is None:
+            out.append(NamedSharding(meshes[0], P()))
+        else:
+            out.append(param_sharding(name, leaf.shape, moment=not is_param))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def batch_sharding(batch, mesh: Mesh):
+    """Each batch leaf split over ``"data"`` on its first dimension (replicated if dp does not divide it)."""
+    dp = mesh.shape[DATA]
+
+    def one(leaf):
+        shape = np.shape(leaf)
+        return NamedSharding(mesh, P(DATA) if shape and shape[0] % dp == 0 else P())
+
+    return jax.tree.map(one, batch)
+
+
+def shard(plan, state, *, param_axes=None, layers=None, cluster=None, zero: bool = False):
+    """``state`` as ``jax.Array``s placed per ``plan`` (see module docstring).
+
+    Args:
+      plan: an :class:`~orchestrator.planner.Plan`.
+      state: the TrainState (concrete arrays).
+      param_axes: logical axis names by parameter path; enables tensor parallelism.
+      layers: the coarsened layers the plan's stages index (needed for several stages).
+      cluster: the cluster the plan was made for (resolves device refs).
+      zero: ZeRO-1 — optimizer moments also split over ``"data"``.
+
+    Returns:
+      The same pytree with every leaf a ``jax.Array`` carrying its ``NamedSharding``.
+
+    Example:
+      >>> sharded = shard(plan, state, param_axes=recipe.param_axes())  # doctest: +SKIP
+    """
+    owners = param_owners(plan, layers) if layers is not None else None
+    shardings = state_shardings(plan, state, param_axes=param_axes, owners=owners, cluster=cluster, zero=zero)
+    # The compiled step donates the placed state: copy, so the caller's arrays survive.
+    placed = jax.device_put(state, shardings, may_alias=False)
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, placed)

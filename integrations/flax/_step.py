@@ -1,0 +1,87 @@
+"""Compile a train step that executes a :class:`~orchestrator.planner.Plan`.
+
+A single-stage plan is one ``jax.jit`` of the user's step with the state's
+shardings as in- and out-shardings (state donated) and the batch split over
+the ``"data"`` axis: XLA's SPMD partitioner then inserts the tensor-parallel
+all-reduces and the data-parallel gradient all-reduce. The plan's microbatch
+count is not used for a single stage: the whole batch is one program
+(gradient accumulation would only change the summation order).
+
+A multi-stage plan runs as an MPMD pipeline (:mod:`integrations.flax._pipeline`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from integrations.flax._shard import batch_sharding, device_map, stage_mesh, state_shardings
+
+
+class StepFunction:
+    """``step(state, batch) -> (state, metrics)`` for a plan; ``lowered(...)`` exposes XLA's program.
+
+    Attributes:
+      plan: the plan it executes.
+      meshes: one mesh per stage.
+    """
+
+    def __init__(self, plan, fn: Callable, meshes, state_shardings):
+        self.plan, self.fn, self.meshes = plan, fn, meshes
+        self.state_shardings = state_shardings
+        self._jitted = {}
+
+    def jitted(self, batch):
+        """The ``jax.jit`` of the step for batches shaped like ``batch``."""
+        shardings = batch_sharding(batch, self.meshes[0])
+        key = str(jax.tree.map(lambda leaf, s: (tuple(leaf.shape), str(leaf.dtype), s.spec), batch, shardings))
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(
+                self.fn,
+                in_shardings=(self.state_shardings, shardings),
+                out_shardings=(self.state_shardings, NamedSharding(self.meshes[0], P())),
+                donate_argnums=(0,),
+            )
+        return self._jitted[key]
+
+    def __call__(self, state, batch):
+        return self.jitted(batch)(state, batch)
+
+    def compiled(self, state, batch):
+        """The compiled XLA executable for these (abstract or concrete) arguments."""
+        return self.jitted(batch).lower(state, batch).compile()
+
+
+def compile_step(
+    plan, train_step: Callable, state, *, param_axes=None, layers=None, cluster=None, zero: bool = False, **pipeline
+):
+    """A step function executing ``plan``.
+
+    Args:
+      plan: the plan.
+      train_step: ``train_step(state, batch) -> (state, metrics)`` (a Flax TrainState step).
+      state: the state as :func:`~integrations.flax.shard` placed it (or abstract, same structure).
+      param_axes, layers, cluster, zero: as for :func:`~integrations.flax.shard`.
+      **pipeline: for multi-stage plans, passed to :class:`~integrations.flax._pipeline.Pipeline`
+        (``batch_spec``, ``graph``).
+
+    Returns:
+      ``step(state, batch) -> (state, metrics)``.
+
+    Example:
+      >>> step = compile_step(plan, recipe.train_step, sharded)  # doctest: +SKIP
+      >>> sharded, metrics = step(sharded, batch)  # doctest: +SKIP
+    """
+    if len(plan.stages) > 1:
+        from integrations.flax._pipeline import Pipeline
+
+        if layers is None:
+            raise ValueError("a multi-stage plan needs layers= (the coarsened layers its stages index)")
+        return Pipeline(plan, train_step, state, layers=layers, param_axes=param_axes, cluster=cluster, **pipeline)
+    [stage] = plan.stages
+    mesh = stage_mesh(stage, device_map(cluster))
+    shardings = state_shardings(plan, state, param_axes=param_axes, cluster=cluster, zero=zero)
+    return StepFunction(plan, train_step, [mesh], shardings)
