@@ -30,8 +30,9 @@ def evaluate(
     table: CostTable,
     infos: dict[str, TypeInfo],
     schedule: str,
-    p2p_link,
+    links,
 ) -> Evaluation:
+    """``links[(t, t2)]``: the link a stage on type t uses to send to a next stage on type t2."""
     S = len(stages)
     times, memories, syncs, optims, forwards, sends = [], [], [], [], [], []
     feasible = True
@@ -41,7 +42,11 @@ def evaluate(
             return Evaluation(False, float("inf"), (), (), {})
         entries = [table.entry(l, group, microbatches) for l in layers]
         t = sum(e.time_s for e in entries)
-        send = table.send_s(layers[-1], microbatches, p2p_link) if s < S - 1 else 0.0
+        send = (
+            table.send_s(layers[-1], microbatches, links[group.device_type, groups[s + 1].device_type])
+            if s < S - 1
+            else 0.0
+        )
         t += 2 * send
         forwards.append(sum(e.forward_s for e in entries))
         sends.append(send)

@@ -27,15 +27,15 @@ def exhaustive_plan(
 ) -> Evaluation | None:
     """The best feasible evaluation over the planner's whole search space (None if none fits)."""
     space = search_space(model, global_batch, recompute=recompute)
-    infos, groups, table, link, L = space.infos, space.groups, space.table, space.p2p_link, space.layers
+    infos, groups, table, links, L = space.infos, space.groups, space.table, space.links, space.layers
     best = None
-    for S in range(1, min(max_stages or L, L) + 1):
+    for S in range(1, min(max_stages or 16, L, len(model.cluster.devices())) + 1):
         for M in (m for m in microbatch_candidates if global_batch % m == 0):
             valid = [g for g in groups if table.microbatch(g, M) is not None]
             for stages in _partitions(L, S):
                 for chosen in itertools.product(valid, repeat=S):
                     ev = evaluate(
-                        list(stages), list(chosen), M, table=table, infos=infos, schedule=schedule, p2p_link=link
+                        list(stages), list(chosen), M, table=table, infos=infos, schedule=schedule, links=links
                     )
                     if ev.feasible and (best is None or ev.iteration_s < best.iteration_s):
                         best = ev

@@ -1,7 +1,9 @@
 """Device groups a stage may use, drawn from the cluster's hosts.
 
 A group is ``n`` devices of one type: a power of two that fits in one host
-(part of a host or a whole host), or a multiple of whole hosts. Its tensor-
+(part of a host or a whole host), or a power-of-two number of whole hosts, or
+all hosts of the type. (Powers of two keep the candidate set logarithmic in
+the fleet size; the planner's optimality is over this set.) Its tensor-
 parallel degree ``tp`` divides ``n`` and stays inside a host (tensor
 parallelism all-reduces every layer: it belongs on the fastest links); the
 rest, ``dp = n / tp``, is data parallelism. Hosts of one type are treated as
@@ -71,8 +73,12 @@ def group_configs(
         while n <= info.per_host:
             sizes.append(n)
             n *= 2
-        hosts = info.devices // info.per_host
-        sizes += [k * info.per_host for k in range(2, hosts + 1)]
+        hosts, k = info.devices // info.per_host, 2
+        while k < hosts:
+            sizes.append(k * info.per_host)
+            k *= 2
+        if hosts > 1:
+            sizes.append(hosts * info.per_host)
         for size in sizes:
             if size > info.devices or (max_size and size > max_size):
                 continue
@@ -89,3 +95,24 @@ def group_links(config: GroupConfig, info: TypeInfo) -> tuple[Link, Link]:
     """(tensor-parallel link, data-parallel link) of a group."""
     dp_link = info.intra_link if config.size <= info.per_host else info.inter_link
     return info.intra_link, dp_link
+
+
+def pair_links(cluster: Cluster, infos: dict[str, TypeInfo]) -> dict[tuple[str, str], Link]:
+    """The link between consecutive stages on types (t, t2): within a type, its slowest
+    host-to-host link (its intra-host link if it has one host); across types, the slowest
+    link between a host of t and a host of t2. Pessimistic, so a plan never relies on the
+    allocation landing on a better pair."""
+    firsts: dict[str, list] = {}
+    for device in cluster.devices():
+        hosts = firsts.setdefault(device.device_type, [])
+        if not any(d.host == device.host for d in hosts):
+            hosts.append(device)
+    links = {}
+    for t in infos:
+        for t2 in infos:
+            if t == t2:
+                links[t, t2] = infos[t].inter_link
+            else:
+                pairs = [cluster.link(a, b) for a in firsts[t] for b in firsts[t2]]
+                links[t, t2] = min(pairs, key=lambda link: (link.bandwidth_bytes_per_s, -link.latency_s))
+    return links

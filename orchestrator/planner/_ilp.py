@@ -1,174 +1,368 @@
-"""The planning ILP for a fixed number of stages S and microbatches M.
+"""The planning ILP for one microbatch count M: stage split, stage count, groups, recompute, memory.
 
-Sets: layers l = 0..L−1 (a chain), stages s = 0..S−1, group configurations
-g ∈ G (device type, size, tp, recompute) whose data-parallel degree divides
-the microbatch. Costs per layer, group and M come from the cost model
-(:class:`~orchestrator.planner._table.CostTable`): time τ, static memory σ,
-activations per in-flight microbatch α, transient memory ρ, gradient sync δ,
-optimizer ω.
+Sets
+    runs r = 0..R−1   maximal runs of consecutive identical layers (same signature, so the
+                      same costs): n_r layers each. GPT-175B is 3 runs (embedding, 96 blocks,
+                      head), so the model grows with distinct layers, not with layers.
+    positions j = 0..J−1   pipeline stages counted from the END (j = 0 is the last stage), so a
+                      stage's in-flight microbatches k_j = min(M, j + 1) under 1F1B (M under
+                      GPipe) are constants and the stage count S ≤ J is a decision.
+    groups g ∈ G      (device type, size, tp, recompute) with dp = size / tp dividing the
+                      microbatch; hosts of one type are counts, not enumerated (``_groups``).
+    types t           device types; a stage's devices are of one type.
+
+Parameters (per layer of run r on group g, per microbatch and device, from the cost model)
+    τ time (forward + backward + recompute + TP all-reduces), σ static memory (parameters,
+    gradients, optimizer state), α activations kept per in-flight microbatch, ρ transient
+    memory, δ gradient sync, ω optimizer step; π_r(t, t′) one point-to-point transfer of run r's
+    output from a stage on type t to the next stage on type t′ (the slowest link between them).
 
 Variables
-    a[l,s] ∈ {0,1}    layer l is in stage s
-    u[s,g] ∈ {0,1}    stage s runs on a group g
-    w[l,s,g] ∈ [0,1]  layer l is in stage s and s runs on g  (w = a·u)
-    e[l,s] ∈ [0,1]    layer l is the last of stage s         (e ≥ a[l,s] − a[l+1,s])
-    T, D, O ≥ 0       bottleneck stage time, gradient sync, optimizer;  X_s ≥ 0 transient peak
+    u[j,g] ∈ {0,1}      stage j runs on group g; used_j = Σ_g u[j,g]
+    a[r,j] ∈ {0,1}      run r has layers in stage j
+    z[r,j] ∈ ℤ, 0..n_r  how many (= a[r,j] when n_r = 1)
+    v[r,j,g] ∈ [0,1]    = a[r,j]·u[j,g]      (Σ_g v = a, v ≤ u: exact)
+    y[r,j,g] ≥ 0        = z[r,j]·u[j,g]      (Σ_g y = z, y ≤ n_r·v: exact; = v when n_r = 1)
+    e[r,j] ∈ [0,1]      run r is the last run of stage j
+    c[j,t,t′] ∈ [0,1]   stage j is on type t and the next stage (j − 1) on type t′
+    P_j ≥ 0             stage j's point-to-point transfer time per direction
+    T, D, O, X_j ≥ 0    bottleneck stage, gradient sync, optimizer, transient peak of stage j
+                        (rows in ms and GB, see MS and GB below)
 
-Constraints (one function each, every row named)
-    layer_once      Σ_s a[l,s] = 1
-    contiguous      0 ≤ Σ_s s·a[l+1,s] − Σ_s s·a[l,s] ≤ 1,   a[0,0] = a[L−1,S−1] = 1
-    one_group       Σ_g u[s,g] = 1,   Σ_g w[l,s,g] = a[l,s],   w[l,s,g] ≤ u[s,g]   (exact w = a·u,
-                    and a tighter LP relaxation than w ≥ a + u − 1)
-    devices         Σ_{s, g of type t} size_g · u[s,g] ≤ devices(t)
-    bottleneck      T ≥ t_s = Σ_{l,g} τ·w[l,s,g] + Σ_l p2p_l · e[l,s]     (s < S−1 send to s+1)
-    sync, optimizer D ≥ Σ δ·w,   O ≥ Σ ω·w
-    memory          Σ (σ + α·k_s)·w + X_s ≤ Σ_g mem(g)·u[s,g],   X_s ≥ ρ·w[l,s,g]
-                    k_s = min(M, S − s) in-flight microbatches under 1F1B, M under GPipe
+Constraints (one function each; every row named)
+    stage_order     used_j ≤ 1, used_{j+1} ≤ used_j, used_0 = 1 (stages are positions 0..S−1)
+    layer_counts    Σ_j z[r,j] = n_r,  a ≤ z ≤ n_r·a,  a[r,j] ≤ used_j ≤ Σ_r a[r,j],  a[R−1,0] = 1
+    contiguous      a[r,j] + a[r+1,j′] ≤ 1 for j < j′ (adjacent runs never cross; with non-empty
+                    stages this makes every stage a contiguous slice of the chain)
+    group_split     Σ_g v[r,j,g] = a[r,j],  v ≤ u,  Σ_g y[r,j,g] = z[r,j],  y ≤ f[r,j,g]·v, where
+                    f = min(n_r, ⌊(mem − ρ) / (σ + α·k_j)⌋) layers of r fit alone (v = 0 if none)
+    devices         Σ_{j, g of type t} size_g·u[j,g] ≤ devices(t)
+    transfers       e[r,j] ≥ a[r,j] − a[r+1,j];  c[j,t,t′] ≥ ut[j,t] + ut[j−1,t′] − 1;
+                    P_j ≥ π_r(t,t′)·(e[r,j] + c[j,t,t′] − 1)
+    bottleneck      T ≥ t_j = Σ_{r,g} τ·y[r,j,g] + 2·P_j     (activation out, gradient back)
+    sync, optimizer D ≥ Σ_{r,g} δ·y[r,j,g],  O ≥ Σ_{r,g} ω·y[r,j,g]
+    memory          Σ_{r,g} (σ + α·k_j)·y[r,j,g] + X_j ≤ Σ_g mem(g)·u[j,g],  X_j ≥ Σ_g ρ·v[r,j,g]
+    capacity        (valid cuts) N_t·T ≥ Σ_{r,j,g of type t} size_g·τ·y[r,j,g],  Σ_j t_j ≥ T,
+                    Σ_{r,j,g of type t} size_g·(σ + α·k_j)·y[r,j,g] ≤ N_t·mem_t
 
-Objective: the step time  Σ_s t_s + (M − 1)·T + D + O
-(pipeline fill and drain — one microbatch through every stage — then M − 1
-microbatches at the bottleneck's pace; gradient sync after the last backward,
-not overlapped; then the optimizer step).
+Objective: the step time  Σ_j t_j + (M − 1)·T + D + O
+(pipeline fill and drain — one microbatch through every stage — then M − 1 microbatches at
+the bottleneck's pace; gradient sync after the last backward, not overlapped; then the
+optimizer step).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulp
 
+from orchestrator.cluster import Link
 from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._table import CostTable
 
+# Rows are written in milliseconds and gigabytes: HiGHS drops matrix entries below 1e-9
+# (``small_matrix_value``), which seconds and bytes of small layers would fall under.
+MS = 1e3
+GB = 1e-9
+
 
 def in_flight(schedule: str, microbatches: int, stages: int, stage: int) -> int:
-    """Microbatches whose activations a stage holds at its peak."""
+    """Microbatches whose activations stage ``stage`` (0-based from the front) holds at its peak."""
     return microbatches if schedule == "gpipe" else min(microbatches, stages - stage)
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """``count`` consecutive identical layers starting at layer ``first``."""
+
+    first: int
+    count: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+def layer_runs(keys: list) -> list[Run]:
+    """Maximal runs of equal consecutive keys (layer signatures)."""
+    runs: list[Run] = []
+    for index, key in enumerate(keys):
+        if runs and keys[runs[-1].first] == key:
+            runs[-1] = Run(runs[-1].first, runs[-1].count + 1)
+        else:
+            runs.append(Run(index, 1))
+    return runs
+
+
 class StageModel:
-    """The ILP above for one (S, M)."""
+    """The ILP above for one microbatch count M and at most J stages."""
 
     def __init__(
         self,
         *,
-        layers: int,
-        stages: int,
+        runs: list[Run],
+        max_stages: int,
         microbatches: int,
         groups: list[GroupConfig],
         table: CostTable,
         infos: dict[str, TypeInfo],
         schedule: str,
-        p2p_link,
+        links: dict[tuple[str, str], Link],
+        repair: bool = False,
     ):
-        self.L, self.S, self.M = layers, stages, microbatches
+        """``repair=True`` builds the diagnosis variant: memory rows get a slack Q (GB per
+        device, the same for every stage) and the objective becomes min Q — the least extra
+        memory per device that would make a plan exist."""
+        self.runs, self.J, self.M, self.repair = runs, max_stages, microbatches, repair
         self.groups = [g for g in groups if table.microbatch(g, microbatches) is not None]
-        self.table, self.infos, self.schedule, self.p2p_link = table, infos, schedule, p2p_link
-        lp = self.lp = pulp.LpProblem(f"plan_S{stages}_M{microbatches}", pulp.LpMinimize)
-        L, S, G = range(layers), range(stages), range(len(self.groups))
-        self.a = {(l, s): lp.add_variable(f"a_{l}_{s}", cat="Binary") for l in L for s in S}
-        self.u = {(s, g): lp.add_variable(f"u_{s}_{g}", cat="Binary") for s in S for g in G}
-        self.w = {(l, s, g): lp.add_variable(f"w_{l}_{s}_{g}", 0, 1) for l in L for s in S for g in G}
-        self.e = {(l, s): lp.add_variable(f"e_{l}_{s}", 0, 1) for l in L for s in S}
-        self.T = lp.add_variable("T", 0)
-        self.D = lp.add_variable("D", 0)
-        self.O = lp.add_variable("O", 0)
-        self.X = {s: lp.add_variable(f"X_{s}", 0) for s in S}
-        self.stage_time = {s: self._stage_time(s) for s in S}
+        self.table, self.infos, self.schedule, self.links = table, infos, schedule, links
+        self.types = sorted({g.device_type for g in self.groups})
+        R, J, G = range(len(runs)), range(max_stages), range(len(self.groups))
+        lp = self.lp = pulp.LpProblem(f"plan_M{microbatches}", pulp.LpMinimize)
+        var = lp.add_variable
+        self.u = {(j, g): var(f"u_{j}_{g}", cat="Binary") for j in J for g in G}
+        self.a = {(r, j): var(f"a_{r}_{j}", cat="Binary") for r in R for j in J}
+        self.v = {(r, j, g): var(f"v_{r}_{j}_{g}", 0, 1) for r in R for j in J for g in G}
+        self.z, self.y = {}, {}
+        for r in R:
+            n = runs[r].count
+            for j in J:
+                self.z[r, j] = var(f"z_{r}_{j}", 0, n, cat="Integer") if n > 1 else self.a[r, j]
+                for g in G:
+                    self.y[r, j, g] = var(f"y_{r}_{j}_{g}", 0, n) if n > 1 else self.v[r, j, g]
+        self.e = {(r, j): var(f"e_{r}_{j}", 0, 1) for r in R for j in J}
+        self.P = {j: var(f"P_{j}", 0) for j in J}
+        self.c: dict = {}  # (j, t, t2), made by add_transfers
+        self.T, self.D, self.O = var("T", 0), var("D", 0), var("O", 0)
+        self.X = {j: var(f"X_{j}", 0) for j in J}
+        self.Q = var("Q", 0) if repair else 0
+        self.used = {j: pulp.lpSum(self.u[j, g] for g in G) for j in J}
+        self.on_type = {
+            (j, t): pulp.lpSum(self.u[j, g] for g in G if self.groups[g].device_type == t)
+            for j in J
+            for t in self.types
+        }
+        self.stage_time = {j: self._stage_time(j) for j in J}
         lp += pulp.lpSum(self.stage_time.values()) + (microbatches - 1) * self.T + self.D + self.O, "step_time"
 
-    def entry(self, layer: int, g: int):
-        return self.table.entry(layer, self.groups[g], self.M)
+    def entry(self, r: int, g: int):
+        return self.table.entry(self.runs[r].first, self.groups[g], self.M)
 
-    def _stage_time(self, s: int):
-        compute = pulp.lpSum(
-            self.entry(l, g).time_s * self.w[l, s, g] for l in range(self.L) for g in range(len(self.groups))
-        )
-        if s == self.S - 1:
-            return compute
-        send = pulp.lpSum(self.table.p2p_s(l, self.M, self.p2p_link) * self.e[l, s] for l in range(self.L))
-        return compute + send
+    def _terms(self, j: int):
+        return [(r, g, self.y[r, j, g]) for r in range(len(self.runs)) for g in range(len(self.groups))]
+
+    def _stage_time(self, j: int):
+        compute = pulp.lpSum(self.entry(r, g).time_s * MS * y for r, g, y in self._terms(j))
+        return compute + 2 * self.P[j] if j > 0 else compute
+
+    def in_flight(self, j: int) -> int:
+        return self.M if self.schedule == "gpipe" else min(self.M, j + 1)
 
     # -- constraint families -------------------------------------------------
-    def add_layer_once(self) -> None:
-        for l in range(self.L):
-            self.lp += pulp.lpSum(self.a[l, s] for s in range(self.S)) == 1, f"layer_once_{l}"
+    def add_stage_order(self) -> None:
+        for j in range(self.J):
+            self.lp += self.used[j] <= 1, f"stage_order_one_group_{j}"
+            if j + 1 < self.J:
+                self.lp += self.used[j + 1] <= self.used[j], f"stage_order_{j}"
+        self.lp += self.used[0] == 1, "stage_order_last_used"
+
+    def add_layer_counts(self) -> None:
+        R = len(self.runs)
+        for r, run in enumerate(self.runs):
+            self.lp += pulp.lpSum(self.z[r, j] for j in range(self.J)) == run.count, f"layer_counts_{r}"
+            for j in range(self.J):
+                self.lp += self.a[r, j] <= self.used[j], f"layer_in_used_stage_{r}_{j}"
+                if run.count > 1:
+                    self.lp += self.z[r, j] >= self.a[r, j], f"layer_counts_min_{r}_{j}"
+                    self.lp += self.z[r, j] <= run.count * self.a[r, j], f"layer_counts_max_{r}_{j}"
+        for j in range(self.J):
+            self.lp += pulp.lpSum(self.a[r, j] for r in range(R)) >= self.used[j], f"stage_not_empty_{j}"
+        self.lp += self.a[R - 1, 0] == 1, "last_run_in_last_stage"
 
     def add_contiguous(self) -> None:
-        index = {l: pulp.lpSum(s * self.a[l, s] for s in range(self.S)) for l in range(self.L)}
-        for l in range(self.L - 1):
-            self.lp += index[l + 1] - index[l] >= 0, f"contiguous_order_{l}"
-            self.lp += index[l + 1] - index[l] <= 1, f"contiguous_step_{l}"
-        self.lp += self.a[0, 0] == 1, "contiguous_first"
-        self.lp += self.a[self.L - 1, self.S - 1] == 1, "contiguous_last"
-        for l in range(self.L):
-            for s in range(self.S):
-                nxt = self.a[l + 1, s] if l + 1 < self.L else 0
-                self.lp += self.e[l, s] >= self.a[l, s] - nxt, f"last_layer_{l}_{s}"
+        for r in range(len(self.runs) - 1):
+            for j in range(self.J):
+                for later in range(j + 1, self.J):
+                    self.lp += self.a[r, j] + self.a[r + 1, later] <= 1, f"contiguous_{r}_{j}_{later}"
 
-    def add_one_group(self) -> None:
-        for s in range(self.S):
-            self.lp += pulp.lpSum(self.u[s, g] for g in range(len(self.groups))) == 1, f"one_group_{s}"
-            for l in range(self.L):
-                # w = a·u, written so the LP relaxation stays tight: w splits a over the groups, within u
-                self.lp += (
-                    pulp.lpSum(self.w[l, s, g] for g in range(len(self.groups))) == self.a[l, s],
-                    f"split_{l}_{s}",
-                )
-                for g in range(len(self.groups)):
-                    self.lp += self.w[l, s, g] <= self.u[s, g], f"within_{l}_{s}_{g}"
+    def fit(self, r: int, j: int, g: int) -> int:
+        """The most layers of run r that fit alone on group g at position j (memory row with
+        only that run): the tight coefficient that makes the LP relaxation respect memory."""
+        if self.repair:  # memory may grow by Q: no layer count is ruled out
+            return self.runs[r].count
+        entry = self.entry(r, g)
+        free = self.infos[self.groups[g].device_type].memory_bytes - entry.transient_bytes
+        per_layer = entry.static_bytes + entry.activation_bytes * self.in_flight(j)
+        if free < per_layer:
+            return 0
+        return self.runs[r].count if per_layer <= 0 else min(self.runs[r].count, int(free // per_layer))
+
+    def add_group_split(self) -> None:
+        G = range(len(self.groups))
+        for r, run in enumerate(self.runs):
+            for j in range(self.J):
+                self.lp += pulp.lpSum(self.v[r, j, g] for g in G) == self.a[r, j], f"split_{r}_{j}"
+                for g in G:
+                    fit = self.fit(r, j, g)
+                    if fit == 0:
+                        self.v[r, j, g].upBound = 0
+                        continue
+                    self.lp += self.v[r, j, g] <= self.u[j, g], f"within_{r}_{j}_{g}"
+                    if run.count > 1:
+                        self.lp += self.y[r, j, g] <= fit * self.v[r, j, g], f"within_count_{r}_{j}_{g}"
+                if run.count > 1:
+                    self.lp += pulp.lpSum(self.y[r, j, g] for g in G) == self.z[r, j], f"split_count_{r}_{j}"
 
     def add_devices(self) -> None:
         for name, info in self.infos.items():
             used = pulp.lpSum(
-                grp.size * self.u[s, g]
-                for s in range(self.S)
+                grp.size * self.u[j, g]
+                for j in range(self.J)
                 for g, grp in enumerate(self.groups)
                 if grp.device_type == name
             )
             self.lp += used <= info.devices, f"devices_{name}"
 
+    def add_transfers(self) -> None:
+        R = len(self.runs)
+        for j in range(self.J):
+            for r in range(R):
+                nxt = self.a[r + 1, j] if r + 1 < R else 0
+                self.lp += self.e[r, j] >= self.a[r, j] - nxt, f"last_run_{r}_{j}"
+        for j in range(1, self.J):
+            for t in self.types:
+                for t2 in self.types:
+                    c = self.c[j, t, t2] = self.lp.add_variable(f"c_{j}_{t}_{t2}", 0, 1)
+                    self.lp += c >= self.on_type[j, t] + self.on_type[j - 1, t2] - 1, f"neighbours_{j}_{t}_{t2}"
+                    for r in range(R):
+                        send = self.send_s(r, t, t2) * MS
+                        if send > 0:
+                            self.lp += self.P[j] >= send * (self.e[r, j] + c - 1), f"transfer_{j}_{r}_{t}_{t2}"
+
+    def send_s(self, r: int, source: str, target: str) -> float:
+        return self.table.send_s(self.runs[r].count + self.runs[r].first - 1, self.M, self.links[source, target])
+
     def add_bottleneck(self) -> None:
-        for s in range(self.S):
-            self.lp += self.T >= self.stage_time[s], f"bottleneck_{s}"
-            terms = [(l, g) for l in range(self.L) for g in range(len(self.groups))]
-            self.lp += self.D >= pulp.lpSum(self.entry(l, g).dp_sync_s * self.w[l, s, g] for l, g in terms), f"sync_{s}"
-            self.lp += (
-                self.O >= pulp.lpSum(self.entry(l, g).optimizer_s * self.w[l, s, g] for l, g in terms),
-                f"optimizer_{s}",
+        for j in range(self.J):
+            terms = self._terms(j)
+            self.lp += self.T >= self.stage_time[j], f"bottleneck_{j}"
+            sync = pulp.lpSum(self.entry(r, g).dp_sync_s * MS * y for r, g, y in terms)
+            self.lp += self.D >= sync, f"sync_{j}"
+            optimizer = pulp.lpSum(self.entry(r, g).optimizer_s * MS * y for r, g, y in terms)
+            self.lp += self.O >= optimizer, f"optimizer_{j}"
+
+    def add_capacity(self) -> None:
+        """Valid cuts the LP relaxation needs (without them fractional u splits one big group
+        over every stage): per device type t, the bottleneck times its devices covers the
+        device-seconds of its stages, N_t·T ≥ Σ_{j on t} size_j·t_j ≥ Σ_{r,j,g of t} size_g·τ·y;
+        and the fill and drain take at least T."""
+        for t in self.types:
+            work = pulp.lpSum(
+                self.groups[g].size * self.entry(r, g).time_s * MS * y
+                for j in range(self.J)
+                for r, g, y in self._terms(j)
+                if self.groups[g].device_type == t
             )
+            self.lp += self.infos[t].devices * self.T >= work, f"capacity_{t}"
+            held = pulp.lpSum(
+                self.groups[g].size
+                * (self.entry(r, g).static_bytes + self.entry(r, g).activation_bytes * self.in_flight(j))
+                * GB
+                * y
+                for j in range(self.J)
+                for r, g, y in self._terms(j)
+                if self.groups[g].device_type == t
+            )
+            if not self.repair:
+                self.lp += held <= self.infos[t].devices * self.infos[t].memory_bytes * GB, f"capacity_memory_{t}"
+        self.lp += pulp.lpSum(self.stage_time.values()) >= self.T, "fill_covers_bottleneck"
 
     def add_memory(self) -> None:
-        for s in range(self.S):
-            k = in_flight(self.schedule, self.M, self.S, s)
+        G = range(len(self.groups))
+        for j in range(self.J):
+            k = self.in_flight(j)
             used = pulp.lpSum(
-                (self.entry(l, g).static_bytes + self.entry(l, g).activation_bytes * k) * self.w[l, s, g]
-                for l in range(self.L)
-                for g in range(len(self.groups))
+                (self.entry(r, g).static_bytes + self.entry(r, g).activation_bytes * k) * GB * y
+                for r, g, y in self._terms(j)
             )
             capacity = pulp.lpSum(
-                self.infos[grp.device_type].memory_bytes * self.u[s, g] for g, grp in enumerate(self.groups)
+                self.infos[grp.device_type].memory_bytes * GB * self.u[j, g] for g, grp in enumerate(self.groups)
             )
-            # scaled to GB so the row is well conditioned
-            self.lp += (used + self.X[s]) * 1e-9 <= capacity * 1e-9, f"memory_{s}"
-            for l in range(self.L):
-                for g in range(len(self.groups)):
-                    self.lp += self.X[s] >= self.entry(l, g).transient_bytes * self.w[l, s, g], f"transient_{l}_{s}_{g}"
+            self.lp += used + self.X[j] <= capacity + self.Q, f"memory_{j}"
+            for r in range(len(self.runs)):
+                peak = pulp.lpSum(self.entry(r, g).transient_bytes * GB * self.v[r, j, g] for g in G)
+                self.lp += self.X[j] >= peak, f"transient_{r}_{j}"
 
     def build(self) -> StageModel:
-        self.add_layer_once()
+        self.add_stage_order()
+        self.add_layer_counts()
         self.add_contiguous()
-        self.add_one_group()
+        self.add_group_split()
         self.add_devices()
+        self.add_transfers()
         self.add_bottleneck()
+        self.add_capacity()
         self.add_memory()
+        if self.repair:
+            self.lp.setObjective(self.Q)
         return self
 
+    def set_start(self, stages: list[list[int]], groups: list[GroupConfig]) -> bool:
+        """Give every variable the value of a known plan (a starting incumbent for the solver).
+
+        Returns False (and sets nothing) if the plan is outside this model (another M, more
+        stages than positions, a group the model does not have)."""
+        S = len(stages)
+        if S > self.J or any(g not in self.groups for g in groups):
+            return False
+        for variable in self.lp.variables():
+            variable.varValue = 0.0
+        run_of = {layer: r for r, run in enumerate(self.runs) for layer in run.layers}
+        for s, (layers, group) in enumerate(zip(stages, groups)):
+            j, g = S - 1 - s, self.groups.index(group)
+            self.u[j, g].varValue = 1.0
+            for layer in layers:
+                r = run_of[layer]
+                self.a[r, j].varValue = 1.0
+                self.v[r, j, g].varValue = 1.0
+                if self.runs[r].count > 1:
+                    self.z[r, j].varValue = (self.z[r, j].varValue or 0.0) + 1.0
+                    self.y[r, j, g].varValue = (self.y[r, j, g].varValue or 0.0) + 1.0
+        types = {S - 1 - s: g.device_type for s, g in enumerate(groups)}
+        for j in range(S):
+            last = max(run_of[layer] for layer in stages[S - 1 - j])
+            self.e[last, j].varValue = 1.0
+            if j > 0:
+                self.c[j, types[j], types[j - 1]].varValue = 1.0
+                self.P[j].varValue = self.send_s(last, types[j], types[j - 1]) * MS
+        times = {j: self.stage_time[j].value() for j in range(S)}
+        self.T.varValue = max(times.values())
+        for j in range(S):
+            g = self.groups.index(groups[S - 1 - j])
+            terms = [(r, g) for r in range(len(self.runs)) if (self.a[r, j].varValue or 0) > 0.5]
+            self.X[j].varValue = max(self.entry(r, g).transient_bytes * GB for r, _ in terms)
+        self.D.varValue = max(
+            sum(self.entry(r, g).dp_sync_s * MS * (y.varValue or 0.0) for r, g, y in self._terms(j)) for j in range(S)
+        )
+        self.O.varValue = max(
+            sum(self.entry(r, g).optimizer_s * MS * (y.varValue or 0.0) for r, g, y in self._terms(j)) for j in range(S)
+        )
+        return True
+
     def read(self) -> tuple[list[list[int]], list[GroupConfig]]:
-        """(layers per stage, group per stage) of the solution."""
-        stages: list[list[int]] = [[] for _ in range(self.S)]
-        for l in range(self.L):
-            s = max(range(self.S), key=lambda s: self.a[l, s].varValue or 0.0)
-            stages[s].append(l)
-        chosen = [
-            self.groups[max(range(len(self.groups)), key=lambda g: self.u[s, g].varValue or 0.0)] for s in range(self.S)
-        ]
+        """(layers per stage, group per stage) of the solution, in pipeline order."""
+        G = range(len(self.groups))
+        used = [j for j in range(self.J) if (self.used[j].value() or 0.0) > 0.5]
+        counts = {(r, j): round(pulp.value(self.z[r, j]) or 0.0) for r in range(len(self.runs)) for j in used}
+        stages, chosen = [], []
+        taken = [0] * len(self.runs)
+        for j in sorted(used, reverse=True):
+            layers = []
+            for r, run in enumerate(self.runs):
+                n = counts[r, j]
+                layers += list(run.layers[taken[r] : taken[r] + n])
+                taken[r] += n
+            stages.append(layers)
+            chosen.append(self.groups[max(G, key=lambda g: self.u[j, g].varValue or 0.0)])
         return stages, chosen

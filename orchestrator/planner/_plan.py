@@ -65,6 +65,7 @@ class Plan:
       global_batch: samples per step.
       iteration_s: predicted step time; ``breakdown`` splits it.
       solver, status, objective, bound, gap, solve_s: how the plan was found.
+      notes: which constraints bind and why each stage sits where it does.
     """
 
     stages: tuple[Stage, ...]
@@ -79,10 +80,12 @@ class Plan:
     bound: float = 0.0
     gap: float = 0.0
     solve_s: float = 0.0
+    notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["stages"] = [{**asdict(s), "layers": list(s.layers), "devices": list(s.devices)} for s in self.stages]
+        data["notes"] = list(self.notes)
         return data
 
     @classmethod
@@ -90,7 +93,7 @@ class Plan:
         stages = tuple(
             Stage(**{**s, "layers": tuple(s["layers"]), "devices": tuple(s["devices"])}) for s in data["stages"]
         )
-        return cls(**{**data, "stages": stages})
+        return cls(**{**data, "stages": stages, "notes": tuple(data.get("notes", ()))})
 
     def explain(self) -> str:
         """A table of the stages and the predicted step time, as text (rich renders it)."""
@@ -133,6 +136,8 @@ class Plan:
             f"{self.solver} {self.status}: objective {self.objective:.6g}, bound {self.bound:.6g}, "
             f"gap {self.gap:.2%}, {self.solve_s:.1f} s"
         )
+        for note in self.notes:
+            console.print(f"• {note}")
         return buffer.getvalue()
 
     def save(self, path: str | Path) -> None:

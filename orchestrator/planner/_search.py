@@ -8,46 +8,47 @@ smallest of the per-(S, M) bounds, so the gap covers the whole search space.
 
 from __future__ import annotations
 
-import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass
 
 from orchestrator.cluster import Cluster, Link
 from orchestrator.costs import CostModel
+from orchestrator.planner._diagnose import binding_notes, infeasibility_message
 from orchestrator.planner._evaluate import evaluate
-from orchestrator.planner._groups import GroupConfig, TypeInfo, group_configs, type_infos
-from orchestrator.planner._ilp import StageModel
+from orchestrator.planner._groups import GroupConfig, TypeInfo, group_configs, pair_links, type_infos
+from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs
 from orchestrator.planner._plan import Plan, PlanInfeasible, Stage
 from orchestrator.planner._table import CostTable
-from orchestrator.solver import solve
+from orchestrator.solver import highs_available, solve
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32)
 
 
-def _p2p_link(cluster: Cluster, infos: dict[str, TypeInfo]):
-    links = [i.inter_link for i in infos.values()] + ([cluster.cluster_link] if cluster.cluster_link else [])
-    return min(links, key=lambda link: link.bandwidth_bytes_per_s)
-
-
 @dataclass(frozen=True, slots=True)
 class SearchSpace:
-    """What every (S, M) subproblem and the exhaustive search share."""
+    """What every microbatch count's ILP and the exhaustive search share."""
 
     infos: dict[str, TypeInfo]
     groups: list[GroupConfig]
     table: CostTable
-    p2p_link: Link
+    links: dict[tuple[str, str], Link]
+    runs: list[Run]
     layers: int
 
 
 def search_space(model: CostModel, global_batch: int, *, recompute: bool) -> SearchSpace:
     infos = type_infos(model.cluster)
+    keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     return SearchSpace(
         infos=infos,
         groups=group_configs(infos, recompute=recompute, tensor_parallel=model.tensor_parallel),
         table=CostTable(model, infos, global_batch),
-        p2p_link=_p2p_link(model.cluster, infos),
+        links=pair_links(model.cluster, infos),
+        runs=layer_runs(keys),
         layers=len(model.layers),
     )
 
@@ -74,6 +75,21 @@ def _allocate(cluster: Cluster, groups: list[GroupConfig]) -> list[tuple[str, ..
     return out  # type: ignore[return-value]
 
 
+def _heuristic(model, space, global_batch, schedule, candidates, max_stages):
+    """A fast feasible plan to start from (the balanced heuristic over power-of-two stage counts)."""
+    from orchestrator.baselines import balanced
+
+    stage_counts = tuple(s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max_stages)
+    return balanced(
+        model,
+        global_batch=global_batch,
+        schedule=schedule,
+        microbatch_candidates=tuple(candidates),
+        stage_counts=stage_counts,
+        space=space,
+    )
+
+
 def plan(
     model: CostModel,
     *,
@@ -85,52 +101,104 @@ def plan(
     gap: float = 1e-3,
     recompute: bool = True,
 ) -> Plan:
-    """The best plan for ``model``'s layers on its cluster (see the module docstring).
+    """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
+
+    One ILP per microbatch count M decides the stage count (≤ ``max_stages``), the
+    split, each stage's group and recompute; the certified lower bound is the smallest
+    of the per-M bounds, so the reported gap covers the whole search space. An M whose
+    LP relaxation already exceeds the incumbent is skipped (its bound is then above the
+    incumbent and cannot lower the certified bound).
+
+    Args:
+      model: the cost model (it carries the layers and the cluster).
+      global_batch: samples per step; M must divide it, and each stage's data-parallel
+        degree must divide the microbatch.
+      schedule: "1f1b" or "gpipe" (what in-flight activations each stage holds).
+      microbatch_candidates: the M to consider.
+      max_stages: the largest pipeline depth (default: layers, at most 16).
+      time_limit_s: wall-clock budget for all solves; the incumbent and its gap are
+        returned when it runs out.
+      gap: relative gap at which each solve stops.
+      recompute: also consider recomputing each stage's forward in its backward.
 
     Raises:
-      PlanInfeasible: no stage count, microbatch count and groups fit in memory.
+      PlanInfeasible: no plan fits; the message names the binding constraint and the
+        least extra memory per device that would make one exist.
     """
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     started = time.perf_counter()
     cluster = model.cluster
     space = search_space(model, global_batch, recompute=recompute)
-    infos, groups, table, link, L = space.infos, space.groups, space.table, space.p2p_link, space.layers
-    max_stages = min(max_stages or L, L, len(cluster.devices()))
-    candidates = [m for m in microbatch_candidates if global_batch % m == 0]
+    L = space.layers
+    max_stages = min(max_stages or 16, L, len(cluster.devices()))
+    candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
     best, lower = None, math.inf
-    runs = list(itertools.product(range(1, max_stages + 1), candidates))
-    for S, M in runs:
+    start = _heuristic(model, space, global_batch, schedule, candidates, max_stages)
+    if start is not None:
+        ev = evaluate(
+            start.stages,
+            start.groups,
+            start.microbatches,
+            table=space.table,
+            infos=space.infos,
+            schedule=schedule,
+            links=space.links,
+        )
+        best = (ev, start.stages, start.groups, start.microbatches, None)
+        log.debug(
+            "heuristic start: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, start.microbatches, len(start.stages)
+        )
+    for index, M in enumerate(candidates):
         remaining = time_limit_s - (time.perf_counter() - started)
         sub = StageModel(
-            layers=L,
-            stages=S,
+            runs=space.runs,
+            max_stages=max_stages,
             microbatches=M,
-            groups=groups,
-            table=table,
-            infos=infos,
+            groups=space.groups,
+            table=space.table,
+            infos=space.infos,
             schedule=schedule,
-            p2p_link=link,
+            links=space.links,
         )
         if not sub.groups:
             continue
         sub.build()
-        result = solve(sub.lp, time_limit_s=max(0.5, remaining / max(1, len(runs))), gap=gap)
-        if result.status == "Infeasible" or not result.has_solution:
+        built = time.perf_counter()
+        warm = best is not None and best[3] == M and sub.set_start(best[1], best[2])
+        cutoff = None if best is None or warm else best[0].iteration_s * MS * (1 + 1e-9)
+        result = solve(
+            sub.lp,
+            time_limit_s=max(0.2, remaining / (len(candidates) - index)),
+            gap=gap,
+            objective_cutoff=cutoff,
+            use_start=warm,
+        )
+        log.debug(
+            "M=%d: %d columns, %d rows, built in %.2f s; %s in %.2f s, objective %.6g ms, bound %.6g ms",
+            M,
+            len(sub.lp.variables()),
+            sub.lp.numConstraints(),
+            built - (started + (time_limit_s - remaining)),
+            result.status,
+            result.solve_s,
+            result.objective,
+            result.bound,
+        )
+        if not result.has_solution:
+            # "Infeasible" under a cutoff means: nothing better than the incumbent for this M
             if result.status != "Infeasible":
-                lower = min(lower, result.bound)
+                lower = min(lower, result.bound / MS)
             continue
-        lower = min(lower, result.bound)
+        lower = min(lower, result.bound / MS)
         stages, chosen = sub.read()
-        ev = evaluate(stages, chosen, M, table=table, infos=infos, schedule=schedule, p2p_link=link)
+        ev = evaluate(stages, chosen, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
         if ev.feasible and (best is None or ev.iteration_s < best[0].iteration_s):
             best = (ev, stages, chosen, M, result)
     if best is None:
-        raise PlanInfeasible(
-            f"no plan fits: {L} layers, global batch {global_batch}, {len(cluster.devices())} devices of "
-            f"{sorted(infos)}; every stage count and microbatch count in {candidates} exceeds device memory "
-            "(try more devices, recompute, or a smaller batch)"
-        )
+        raise PlanInfeasible(infeasibility_message(model, space, candidates, max_stages, schedule, global_batch))
     ev, stages, chosen, M, result = best
     devices = _allocate(cluster, chosen)
     plan_stages = tuple(
@@ -141,7 +209,7 @@ def plan(
             tp=g.tp,
             dp=g.dp,
             recompute=g.recompute,
-            microbatch_size=table.microbatch(g, M),
+            microbatch_size=space.table.microbatch(g, M),
             time_s=ev.stage_time_s[s],
             memory_bytes=ev.stage_memory_bytes[s],
             forward_s=ev.stage_forward_s[s],
@@ -152,6 +220,7 @@ def plan(
         for s, (layers, g) in enumerate(zip(stages, chosen))
     )
     bound = min(lower, ev.iteration_s)
+    final_gap = (ev.iteration_s - bound) / ev.iteration_s if ev.iteration_s > 0 else 0.0
     return Plan(
         stages=plan_stages,
         schedule=schedule,  # type: ignore[arg-type]
@@ -159,10 +228,11 @@ def plan(
         global_batch=global_batch,
         iteration_s=ev.iteration_s,
         breakdown=ev.breakdown,
-        solver=result.solver,
-        status=result.status,
+        solver="HiGHS" if highs_available() else "CBC",
+        status="Optimal" if final_gap <= gap else "Time limit reached",
         objective=ev.iteration_s,
         bound=bound,
-        gap=(ev.iteration_s - bound) / ev.iteration_s if ev.iteration_s > 0 else 0.0,
+        gap=final_gap,
         solve_s=time.perf_counter() - started,
+        notes=binding_notes(stages, chosen, M, ev, space),
     )

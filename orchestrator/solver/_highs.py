@@ -75,11 +75,22 @@ def solve(
     use_start: bool = False,
     msg: bool = False,
     threads: int = 1,
+    objective_cutoff: float | None = None,
+    options: dict | None = None,
 ) -> SolveResult:
-    """Solve ``problem`` (a minimisation) with explicit options; never unbounded in time."""
+    """Solve ``problem`` (a minimisation) with explicit options; never unbounded in time.
+
+    ``objective_cutoff``: only solutions better than this are wanted (HiGHS's
+    ``objective_bound``); when none exists the status is "Infeasible".
+    """
     start = time.perf_counter()
     if highs_available():
-        solver = HighsWithStart(use_start=use_start, msg=msg, timeLimit=time_limit_s, gapRel=gap, threads=threads)
+        options = dict(options or {})
+        if objective_cutoff is not None:
+            options["objective_bound"] = objective_cutoff
+        solver = HighsWithStart(
+            use_start=use_start, msg=msg, timeLimit=time_limit_s, gapRel=gap, threads=threads, **options
+        )
         name = "HiGHS"
     else:  # pragma: no cover - highspy is a dependency; CBC is the documented fallback
         solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=gap, warmStart=use_start, threads=threads)
@@ -94,10 +105,16 @@ def solve(
     objective = float(objective) if has_solution else math.inf
     bound = -math.inf
     info = getattr(solver, "info", None)
+    model_status = getattr(solver, "model_status", "")
     if info is not None:
-        bound = float(info.mip_dual_bound) if problem.isMIP() else objective
-        if not math.isfinite(bound) and pulp.LpStatus[status] == "Optimal":
-            bound = objective
+        # only a proven optimum certifies its own objective; otherwise HiGHS's dual bound
+        # (which is ±inf when the search never got that far) is all we know
+        dual = float(info.mip_dual_bound) if problem.isMIP() else objective
+        proven = math.isfinite(dual) and dual <= objective * (1 + 1e-9) + 1e-12
+        if model_status == "Optimal":
+            bound = dual if proven else objective
+        else:
+            bound = dual if proven else -math.inf
     elif pulp.LpStatus[status] == "Optimal":
         bound = objective
     if has_solution and math.isfinite(bound):

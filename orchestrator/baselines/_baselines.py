@@ -1,0 +1,234 @@
+"""Baseline planners, scored by the same cost model as the ILP.
+
+Each fixes what the named system fixes and optimises the rest with our cost model, so the
+comparison isolates the decision the system gets wrong:
+
+- ``uniform``: S stages of equal layer counts on equal device blocks taken in listed order;
+  each stage then gets its fastest fitting (tp, recompute).
+- ``alpa``: Alpa's inter-operator pass — a dynamic program splits layers to minimise the
+  bottleneck assuming every device is of the first listed type (Alpa profiles one mesh and
+  treats devices as identical), on equal submeshes placed in listed order (by size only);
+  the intra-operator choice (tp, recompute) is then made per stage on the real devices.
+- ``pipedream``: PipeDream's partitioner — balanced split assuming identical devices,
+  each stage replicated data-parallel over its block (no tensor parallelism).
+- ``greedy``: a list scheduler in the spirit of HEFT: blocks ordered fastest first, layers
+  added to the current stage in order while it stays within its speed-proportional share
+  of the total work (earliest finish), then the next block opens.
+- ``exhaustive``: every split × group × M (tiny instances only) — the ground truth.
+
+All searches range over stage counts 1..max_stages and the planner's microbatch candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.baselines._split import (
+    StageCosts,
+    best_config,
+    configs_for,
+    configure,
+    equal_split,
+    min_bottleneck_split,
+)
+from orchestrator.costs import CostModel
+from orchestrator.planner._evaluate import Evaluation, evaluate
+from orchestrator.planner._exhaustive import exhaustive_plan
+from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._ilp import in_flight
+from orchestrator.planner._search import DEFAULT_MICROBATCHES, search_space
+
+
+@dataclass(frozen=True, slots=True)
+class BaselinePlan:
+    """A baseline's best plan: stages (layer lists), their groups, M, and its evaluation."""
+
+    name: str
+    stages: list[list[int]]
+    groups: list[GroupConfig]
+    microbatches: int
+    evaluation: Evaluation
+
+    @property
+    def iteration_s(self) -> float:
+        return self.evaluation.iteration_s
+
+
+def listed_blocks(model: CostModel, space, stages: int) -> list[tuple[str, int]] | None:
+    """``stages`` equal blocks of devices in the cluster's listed order; None unless each block is one
+    type and a group size the planner knows."""
+    devices = model.cluster.devices()
+    if len(devices) % stages:
+        return None
+    size = len(devices) // stages
+    sizes = {(g.device_type, g.size) for g in space.groups}
+    blocks = []
+    for s in range(stages):
+        types = {d.device_type for d in devices[s * size : (s + 1) * size]}
+        if len(types) > 1 or (next(iter(types)), size) not in sizes:
+            return None
+        blocks.append((next(iter(types)), size))
+    return blocks
+
+
+def _speed(model: CostModel, space, device_type: str, microbatches: int) -> float:
+    """Layers per second of one device of a type (single device, no recompute)."""
+    group = GroupConfig(device_type=device_type, size=1, tp=1, recompute=False)
+    total = sum(space.table.entry(layer, group, microbatches).time_s for layer in range(space.layers))
+    return space.layers / total if total > 0 else float("inf")
+
+
+class _Search:
+    def __init__(self, model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space=None):
+        self.model, self.schedule = model, schedule
+        self.space = space or search_space(model, global_batch, recompute=recompute)
+        self.candidates = [m for m in microbatch_candidates if global_batch % m == 0]
+        self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
+
+    def score(self, name, split, groups, M, best):
+        if split is None or groups is None:
+            return best
+        ev = evaluate(
+            split,
+            groups,
+            M,
+            table=self.space.table,
+            infos=self.space.infos,
+            schedule=self.schedule,
+            links=self.space.links,
+        )
+        if ev.feasible and (best is None or ev.iteration_s < best.iteration_s):
+            return BaselinePlan(name, split, groups, M, ev)
+        return best
+
+    def reference_split(self, blocks, M, *, tp: bool):
+        """Balanced split with every block costed as the first listed type (identical devices)."""
+        reference = self.model.cluster.devices()[0].device_type
+        options = [
+            [StageCosts(self.space, g, M) for g in configs_for(self.space, reference, size, M, tensor_parallel=tp)]
+            for _, size in blocks
+        ]
+
+        def time_s(s, i, k):
+            best = best_config(options[s], i, k, in_flight(self.schedule, M, len(blocks), s))
+            return best.time_s(i, k) if best else float("inf")
+
+        return min_bottleneck_split(self.space.layers, len(blocks), time_s)
+
+
+def uniform(
+    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+):
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
+    for S in range(1, search.max_stages + 1):
+        blocks = listed_blocks(model, search.space, S)
+        for M in search.candidates if blocks else ():
+            split = equal_split(search.space.layers, S)
+            best = search.score("uniform", split, configure(search.space, blocks, split, M, schedule), M, best)
+    return best
+
+
+def alpa(
+    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+):
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
+    for S in range(1, search.max_stages + 1):
+        blocks = listed_blocks(model, search.space, S)
+        for M in search.candidates if blocks else ():
+            split = search.reference_split(blocks, M, tp=True)
+            groups = configure(search.space, blocks, split, M, schedule) if split else None
+            best = search.score("alpa", split, groups, M, best)
+    return best
+
+
+def pipedream(
+    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+):
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
+    for S in range(1, search.max_stages + 1):
+        blocks = listed_blocks(model, search.space, S)
+        for M in search.candidates if blocks else ():
+            split = search.reference_split(blocks, M, tp=False)
+            groups = configure(search.space, blocks, split, M, schedule, tp=False) if split else None
+            best = search.score("pipedream", split, groups, M, best)
+    return best
+
+
+def greedy(
+    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+):
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
+    space, L = search.space, search.space.layers
+    for S in range(1, search.max_stages + 1):
+        blocks = listed_blocks(model, space, S)
+        for M in search.candidates if blocks else ():
+            speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
+            order = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
+            power = [speed[t] * n for t, n in order]
+            split, start = [], 0
+            for s, share in enumerate(power):
+                left = S - s - 1
+                quota = L * share / sum(power)
+                end = start + 1
+                while end < L - left and (end - start) + 1 <= quota + 0.5:
+                    end += 1
+                if s == S - 1:
+                    end = L
+                if end <= start:
+                    split = None
+                    break
+                split.append(list(range(start, end)))
+                start = end
+            groups = configure(space, order, split, M, schedule) if split else None
+            best = search.score("greedy", split, groups, M, best)
+    return best
+
+
+def exhaustive(
+    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+):
+    """The exact optimum by enumeration (only for tiny instances)."""
+    ev = exhaustive_plan(
+        model,
+        global_batch=global_batch,
+        schedule=schedule,
+        microbatch_candidates=microbatch_candidates,
+        max_stages=max_stages,
+        recompute=recompute,
+    )
+    return None if ev is None else BaselinePlan("exhaustive", [], [], 0, ev)
+
+
+def balanced(
+    model,
+    *,
+    global_batch,
+    schedule="1f1b",
+    microbatch_candidates=DEFAULT_MICROBATCHES,
+    max_stages=None,
+    recompute=True,
+    stage_counts=None,
+    space=None,
+):
+    """Not a baseline: our own fast heuristic (true costs, speed-ordered blocks, bottleneck DP),
+    used as the ILP's starting incumbent."""
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    space = search.space
+    for S in stage_counts or range(1, search.max_stages + 1):
+        blocks = listed_blocks(model, space, S)
+        for M in search.candidates if blocks else ():
+            speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
+            order = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
+            options = [[StageCosts(space, g, M) for g in configs_for(space, t, n, M)] for t, n in order]
+
+            def time_s(s, i, k, options=options, M=M, S=S):
+                found = best_config(options[s], i, k, in_flight(schedule, M, S, s))
+                return found.time_s(i, k) if found else float("inf")
+
+            split = min_bottleneck_split(space.layers, S, time_s)
+            groups = configure(space, order, split, M, schedule) if split else None
+            best = search.score("balanced", split, groups, M, best)
+    return best
+
+
+BASELINES = {"uniform": uniform, "alpa": alpa, "pipedream": pipedream, "greedy": greedy}

@@ -1,0 +1,90 @@
+"""Why a plan looks the way it does, and why no plan exists: binding constraints in words."""
+
+from __future__ import annotations
+
+from orchestrator.planner._evaluate import Evaluation
+from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._ilp import StageModel
+from orchestrator.solver import solve
+
+NEAR = 0.95  # a resource used to this fraction of its capacity counts as binding
+
+
+def binding_notes(
+    stages: list[list[int]], groups: list[GroupConfig], microbatches: int, ev: Evaluation, space
+) -> tuple[str, ...]:
+    """Which constraints bind in a plan, and why each stage sits on its device type."""
+    notes = []
+    S = len(stages)
+    bottleneck = max(range(S), key=lambda s: ev.stage_time_s[s])
+    if S > 1:
+        notes.append(
+            f"bottleneck: stage {bottleneck} ({ev.stage_time_s[bottleneck] * 1e3:.3g} ms per microbatch) sets the pace "
+            f"of the {microbatches - 1} steady-state microbatches"
+        )
+    for s, (layers, group) in enumerate(zip(stages, groups)):
+        capacity = space.infos[group.device_type].memory_bytes
+        share = ev.stage_memory_bytes[s] / capacity
+        if share >= NEAR:
+            why = "; it recomputes its forward pass to fit" if group.recompute else ""
+            notes.append(f"memory binds on stage {s}: {share:.0%} of {capacity / 1e9:.1f} GB per device{why}")
+        alternatives = []
+        for name, info in space.infos.items():
+            if name == group.device_type or info.devices < group.size:
+                continue
+            other = GroupConfig(
+                device_type=name, size=group.size, tp=min(group.tp, info.per_host), recompute=group.recompute
+            )
+            if other.size % other.tp or space.table.microbatch(other, microbatches) is None:
+                continue
+            alternatives.append((sum(space.table.entry(l, other, microbatches).time_s for l in layers), name))
+        own = sum(space.table.entry(l, group, microbatches).time_s for l in layers)
+        if alternatives:
+            time, name = min(alternatives)
+            notes.append(
+                f"stage {s} on {group.size} × {group.device_type}: its layers take {own * 1e3:.3g} ms there vs "
+                f"{time * 1e3:.3g} ms on {group.size} × {name}"
+            )
+    used: dict[str, int] = {}
+    for group in groups:
+        used[group.device_type] = used.get(group.device_type, 0) + group.size
+    for name, info in space.infos.items():
+        n = used.get(name, 0)
+        if n == info.devices:
+            notes.append(f"devices bind: all {n} {name} devices are in use")
+        elif n == 0:
+            notes.append(f"{name}: none of its {info.devices} devices is used")
+    return tuple(notes)
+
+
+def infeasibility_message(model, space, candidates, max_stages: int, schedule: str, global_batch: int) -> str:
+    """Name the binding constraint and the least extra memory per device that would make a plan exist."""
+    devices = sum(info.devices for info in space.infos.values())
+    head = f"no plan fits {space.layers} layers with global batch {global_batch} on {devices} devices"
+    valid = [M for M in candidates if any(space.table.microbatch(g, M) is not None for g in space.groups)]
+    if not valid:
+        return f"{head}: no microbatch count in {candidates} divides the global batch (choose a batch divisible by one)"
+    least = None
+    for M in valid:
+        sub = StageModel(
+            runs=space.runs,
+            max_stages=max_stages,
+            microbatches=M,
+            groups=space.groups,
+            table=space.table,
+            infos=space.infos,
+            schedule=schedule,
+            links=space.links,
+            repair=True,
+        ).build()
+        result = solve(sub.lp, time_limit_s=10.0, gap=1e-4)
+        if result.has_solution and (least is None or result.objective < least[0]):
+            least = (result.objective, M)
+    if least is None:
+        return f"{head}: the device and stage limits leave no assignment (more devices or --max-stages needed)"
+    extra_gb, M = least
+    return (
+        f"{head}: the memory constraint binds — every split into ≤ {max_stages} stages with microbatches in {valid} "
+        f"exceeds device memory; the least extra memory that makes a plan exist is {extra_gb:.3g} GB per device "
+        f"(at {M} microbatches). Add devices or memory, allow more stages, or use a smaller batch."
+    )
