@@ -24,6 +24,7 @@ LABELS = {
     "dp_sync": "gradient sync",
 }
 MAX_LINK_ROWS = 12
+MIN_WIDTH = 0.003  # of the step: narrower bars are widened to this to stay visible
 
 
 def _scale(seconds: float) -> tuple[float, str]:
@@ -51,7 +52,8 @@ def _stage_label(timeline: Timeline, s: int) -> str:
 def gantt_png(timeline: Timeline, path: str | Path | None = None) -> bytes:
     """A Gantt chart: one row per stage (all its devices run it), its gradient sync, and the busiest links.
 
-    Bars are labelled with their microbatch where they are wide enough.
+    Bars are labelled with their microbatch where they are wide enough; bars
+    shorter than 0.3% of the step are drawn 0.3% wide so they stay visible.
 
     Args:
       timeline: from :func:`orchestrator.simulate.simulate`.
@@ -83,11 +85,18 @@ def gantt_png(timeline: Timeline, path: str | Path | None = None) -> bytes:
     ax = figure.add_subplot()
     span = timeline.iteration_s / factor
     for y, (_, events) in enumerate(rows):
-        by_kind: dict[str, list[tuple[float, float]]] = {}
+        wide: dict[str, list[tuple[float, float]]] = {}
+        thin: dict[str, list[tuple[float, float]]] = {}
         for e in events:  # one collection per (row, kind): thousands of bars stay fast
-            by_kind.setdefault(e.kind, []).append((e.start_s / factor, e.duration_s / factor))
-        for kind, bars in by_kind.items():
+            width = e.duration_s / factor
+            # bars under MIN_WIDTH of the step are drawn at MIN_WIDTH, without edges, so they stay visible
+            (wide if width >= MIN_WIDTH * span else thin).setdefault(e.kind, []).append(
+                (e.start_s / factor, max(width, MIN_WIDTH * span))
+            )
+        for kind, bars in wide.items():
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="white", linewidth=0.5)
+        for kind, bars in thin.items():
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="none")
         for e in events:
             start, width = e.start_s / factor, e.duration_s / factor
             if e.microbatch is not None and width > 0.025 * span:
