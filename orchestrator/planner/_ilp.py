@@ -207,6 +207,7 @@ class StageModel:
                     fit = self.fit(r, j, g)
                     if fit == 0:
                         self.v[r, j, g].upBound = 0
+                        self.y[r, j, g].upBound = 0
                         continue
                     self.lp += self.v[r, j, g] <= self.u[j, g], f"within_{r}_{j}_{g}"
                     if run.count > 1:

@@ -1,0 +1,29 @@
+"""The ILP against enumeration on random instances, and against every baseline."""
+
+import pytest
+
+from orchestrator.baselines import BASELINES
+from orchestrator.bench._synthetic import random_instance
+from orchestrator.planner import PlanInfeasible, plan
+from orchestrator.planner._exhaustive import exhaustive_plan
+
+SETTINGS = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages": 3}
+
+
+def test_ilp_equals_enumeration_on_random_instances():
+    solved = 0
+    for seed in range(34):
+        model = random_instance(seed)
+        truth = exhaustive_plan(model, **SETTINGS)
+        if truth is None:
+            with pytest.raises(PlanInfeasible):
+                plan(model, time_limit_s=20, gap=1e-6, **SETTINGS)
+            continue
+        found = plan(model, time_limit_s=20, gap=1e-6, **SETTINGS)
+        assert found.iteration_s == pytest.approx(truth.iteration_s, rel=1e-3), f"seed {seed}"
+        assert found.gap <= 1e-3
+        for name, baseline in BASELINES.items():
+            result = baseline(model, **SETTINGS)
+            assert result is None or result.iteration_s >= found.iteration_s * (1 - 1e-9), f"{name} beat the ILP"
+        solved += 1
+    assert solved >= 30
