@@ -73,7 +73,6 @@ def test_user_mistakes_are_one_line_and_exit_2(plan_file, tmp_path, content, arg
         assert len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.filterwarnings("ignore:Using LpProblem.constraints as a dict:DeprecationWarning")  # the planner's, WIP
 def test_plan_then_simulate_with_its_cost_model(tmp_path):
     plan_path = tmp_path / "plan.json"
     made = runner.invoke(

@@ -7,9 +7,6 @@ import pytest
 from orchestrator.simulate import compare, simulate
 from tests.orchestrator.simulate._plans import GLOBAL_BATCH, hand_plan, planner_plan, small_cluster, tiny_model
 
-# the planner (issue 4, being extended) reads PuLP's deprecated constraints mapping while it builds its notes
-pytestmark = pytest.mark.filterwarnings("ignore:Using LpProblem.constraints as a dict:DeprecationWarning")
-
 
 @pytest.fixture(scope="module")
 def model():
