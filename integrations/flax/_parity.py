@@ -47,6 +47,10 @@ def check_plan(name: str, *, global_batch: int, device_type: str = "cpu", host: 
         stage = _stage(range(4), range(8), tp=tp, dp=dp, microbatch=global_batch // dp, device_type=device_type)
         return Plan(stages=(stage,), schedule="gpipe", microbatches=1, global_batch=global_batch, iteration_s=0.0)
 
+    if global_batch % 16:
+        raise ValueError(
+            f"the check plans need a global batch divisible by 16 (4 microbatches × DP4), got {global_batch}"
+        )
     b = global_batch // 4
     if name == "DP8":
         return one(8, 1)
@@ -107,7 +111,7 @@ def _reference(recipe_name: str, steps: int, global_batch: int, seq_len: int):
     return state, batches, ref_losses, ref_state.params, recipe.param_axes(), layers
 
 
-def parity(recipe_name: str, plan, *, steps: int = 5, global_batch: int = 8, seq_len: int = 16) -> Parity:
+def parity(recipe_name: str, plan, *, steps: int = 5, global_batch: int = 16, seq_len: int = 16) -> Parity:
     """Train ``steps`` steps of a recipe under ``plan`` and on one device, from the same state and batches.
 
     The single-device run is cached per (recipe, steps, batch, sequence length).

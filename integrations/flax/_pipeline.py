@@ -232,6 +232,7 @@ class Pipeline:
         self.meshes = [stage_mesh(stage, devices) for stage in plan.stages]
         self.owners = param_owners(plan, layers)
         self._built: dict[str, tuple] = {}
+        self._record: list | None = None  # (stage, "forward" | "backward" | "update", jitted, args)
         # Per state leaf: the stage owning it (a parameter or its optimizer moments), None if shared.
         self.leaf_owner = [None if name is None else self.owners[name] for name, _ in leaf_params(state)]
         self._updates = [self._update_fn(s) for s in range(len(plan.stages))]
@@ -322,6 +323,46 @@ class Pipeline:
 
         return jax.jit(update, donate_argnums=(0,))
 
+    def collective_bytes(self, state, batch) -> tuple[list[dict[str, int]], object]:
+        """Per stage, the collective operand bytes (per device, by kind) of one step, and the new state.
+
+        Runs one step and compiles what it dispatched: each stage's forward and
+        backward programs count M times, its update once. Transfers between
+        stages are device-to-device copies, not collectives, and are not counted.
+        """
+        from integrations.flax._xla import hlo_collective_bytes
+
+        m = self.plan.microbatches
+        self._record = []
+        try:
+            lowered = [(s, what, jitted.lower(*args)) for s, what, jitted, args in self._record_step(state, batch)]
+            # (arguments were recorded as abstract values: several are donated while the step runs)
+        finally:
+            self._record = None
+        per_stage = [
+            dict.fromkeys(("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"), 0)
+            for _ in self.plan.stages
+        ]
+        for s, what, low in lowered:
+            for kind, nbytes in hlo_collective_bytes(low.compile().as_text()).items():
+                per_stage[s][kind] += nbytes * (1 if what == "update" else m)
+        return per_stage, self._last_state
+
+    def _record_step(self, state, batch):
+        records = self._record
+        self._last_state, _ = self(state, batch)
+        return records
+
+    def _note(self, s: int, what: str, jitted, args) -> None:
+        if self._record is not None:
+            spec = jax.tree.map(
+                lambda x: (
+                    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+                ),
+                args,
+            )
+            self._record.append((s, what, jitted, spec))
+
     # -- one step -----------------------------------------------------------------
     def __call__(self, state, batch):
         key = str(jax.tree.map(lambda x: (np.shape(x), str(x.dtype)), batch))
@@ -371,6 +412,8 @@ class Pipeline:
         def run_forward(s: int, mb: int) -> None:
             p, f = programs[s], fns[s]
             args = args_of(s, mb)
+            if mb == 0:
+                self._note(s, "forward", f["forward"], (args,))
             if f["recompute"]:
                 outs = f["forward"](args)
                 residuals[(s, mb)] = args
@@ -404,6 +447,8 @@ class Pipeline:
                     jax.device_put(np.zeros(p.closed.in_avals[i].shape, p.closed.in_avals[i].dtype), sharding)
                     for i, sharding in zip(f["param_inputs"], param_shardings[s])
                 ]
+            if mb == 0:
+                self._note(s, "backward", f["backward"], (saved, out_cts, acc))
             accumulated[s], in_cts = f["backward"](saved, out_cts, acc)
             if f["recompute"]:
                 for kind in p.inputs:
@@ -472,6 +517,7 @@ class Pipeline:
                 ),
                 state.params,
             )
+            self._note(s, "update", self._updates[s], (masked_state, masked_grads, extra[s]))
             updated = jax.tree_util.tree_leaves(self._updates[s](masked_state, masked_grads, extra[s]))
             positions = [i for i in range(len(flat_state)) if self.leaf_owner[i] in (s, None)]
             for i, leaf in zip(positions, updated):
