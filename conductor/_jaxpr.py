@@ -24,6 +24,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 JIT_PRIMITIVES = ("jit", "pjit")
+REMAT_PRIMITIVES = ("checkpoint", "remat2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,7 @@ def _bind(eqn, invals, plan, path):
         return evaluate(closed.jaxpr, closed.consts, invals, plan=plan, path=(*path, f"jit:{params.get('name', '')}"))
     if name == "scan":
         return _scan(eqn, invals, plan, path)
-    if name == "checkpoint":
+    if name in REMAT_PRIMITIVES:
         body = params["jaxpr"]
 
         def fn(*xs):

@@ -116,6 +116,7 @@ def match_level(jaxpr: jcore.Jaxpr, consts=(), path: tuple[str, ...] = ()) -> li
 _BODIES = {
     "scan": ("jaxpr", "scan"),
     "checkpoint": ("jaxpr", "remat"),
+    "remat2": ("jaxpr", "remat"),
     "custom_vjp_call": ("call_jaxpr", "custom_vjp"),
     "custom_jvp_call": ("call_jaxpr", "custom_jvp"),
     "jit": ("jaxpr", "jit"),

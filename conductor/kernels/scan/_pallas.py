@@ -93,7 +93,9 @@ def _backward_kernel(
             ddt_ref[pl.ds(idx, 1), :] = jnp.sum(dabar * a, axis=1)[None].astype(ddt_ref.dtype)
             return abar * g, da + dabar * dt_t
 
-        return lax.fori_loop(0, chunk, back, carry)
+        g_next, da = carry
+        g_next, da_chunk = lax.fori_loop(0, chunk, back, (g_next, jnp.zeros_like(da)))
+        return g_next, da + da_chunk  # two-level sum: per chunk, then over chunks (fp32 error ~ √ of one long sum)
 
     zeros = jnp.zeros(a.shape, jnp.float32)
     _, da = lax.fori_loop(0, n_chunks, chunk_body, (zeros, zeros))

@@ -1,0 +1,106 @@
+"""optimize on the recipes: training matches, escape hatches, the numerics guard, decisions."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import conductor
+from recipes._registry import get_recipe
+from recipes.train import synthetic_batch, train_step
+
+FORCE = conductor.Policy(attention="force", selective_scan="force")
+
+
+@pytest.mark.parametrize(("recipe", "pattern"), [("gpt-tiny", "attention"), ("mamba-tiny", "selective_scan")])
+def test_recipe_trains_20_steps_with_the_conductor_like_without(recipe, pattern):
+    r = get_recipe(recipe)
+    state = r.create_state(jax.random.key(0), learning_rate=1e-3)
+    fast_apply = conductor.optimize(state.apply_fn, policy=FORCE)
+    batch = synthetic_batch(jax.random.key(1), 2, 32, r.config.vocab_size)
+    found = fast_apply.inspect({"params": state.params}, batch["inputs"])
+    assert [m.pattern for m, d in found if d.rewrite] == [pattern] * r.config.num_layers
+    step = jax.jit(train_step)
+    plain, fast = state, state.replace(apply_fn=fast_apply)
+    losses_plain, losses_fast = [], []
+    for i in range(20):
+        batch = synthetic_batch(jax.random.key(i), 2, 32, r.config.vocab_size)
+        plain, m_plain = step(plain, batch)
+        fast, m_fast = step(fast, batch)
+        losses_plain.append(float(m_plain["loss"]))
+        losses_fast.append(float(m_fast["loss"]))
+    np.testing.assert_allclose(losses_fast, losses_plain, rtol=0, atol=1e-4)
+    assert losses_plain[-1] < losses_plain[0] - 0.3  # it trained
+
+
+def _attn(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def test_policy_forbids_and_excludes_scopes():
+    r = get_recipe("gpt-tiny")
+    state = r.create_state(jax.random.key(0))
+    tokens = jnp.zeros((1, 64), jnp.int32)
+    excluded = conductor.inspect(
+        state.apply_fn,
+        {"params": state.params},
+        tokens,
+        policy=conductor.Policy(attention="force", exclude_scopes=("*/blocks_0/*",)),
+    )
+    assert [(m.scope, d.rewrite) for m, d in excluded] == [("GPT/blocks_0/attn", False), ("GPT/blocks_1/attn", True)]
+    forbidden = conductor.inspect(
+        state.apply_fn, {"params": state.params}, tokens, policy=conductor.Policy(attention="forbid")
+    )
+    assert [d.reason for _, d in forbidden] == ["attention forbidden by policy"] * 2
+
+
+def test_guard_falls_back_with_a_warning_when_outputs_disagree():
+    q = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+    strict = conductor.Policy(attention="force", guard_rtol=0.0, guard_atol=0.0)  # rounding differences fail
+    fast = conductor.optimize(_attn, policy=strict)
+    with pytest.warns(conductor.ConductorWarning, match="using the original"):
+        out = fast(q, q, q)
+    np.testing.assert_array_equal(out, _attn(q, q, q))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(fast(q, q, q), _attn(q, q, q))  # fallback sticks, no second warning
+    lenient = conductor.optimize(_attn, policy=conductor.Policy(attention="force"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not np.array_equal(lenient(q, q, q), _attn(q, q, q))  # the kernel ran (rounding differs)
+
+
+def test_decisions_follow_the_cost_model():
+    spec = jax.ShapeDtypeStruct
+    short = conductor.inspect(_attn, *[spec((1, 128, 8, 64), jnp.float32)] * 3)
+    assert not short[0][1].rewrite and "fit on chip" in short[0][1].reason
+    long = conductor.inspect(_attn, *[spec((1, 8192, 8, 64), jnp.float32)] * 3)
+    decision = long[0][1]
+    assert decision.rewrite and decision.implementation == "xla_chunked"
+    assert decision.memory_bytes_written > 30 * decision.memory_bytes_rewritten
+    on_tpu = conductor.inspect(_attn, *[spec((1, 8192, 8, 64), jnp.float32)] * 3, policy=conductor.Policy(device="tpu"))
+    on_gpu = conductor.inspect(
+        _attn, *[spec((1, 8192, 8, 64), jnp.float32)] * 3, policy=conductor.Policy(device="cuda")
+    )
+    assert on_tpu[0][1].implementation == on_gpu[0][1].implementation == "pallas"
+    # blocks fit the device's on-chip memory: 16 MiB of VMEM takes bigger tiles than 164 KiB of shared memory
+    assert on_tpu[0][1].block_sizes.block_q > on_gpu[0][1].block_sizes.block_q
+
+
+def test_parallel_scan_form_only_where_it_pays():
+    r = get_recipe("mamba-tiny")
+    state = r.abstract_state()
+    tokens = jax.ShapeDtypeStruct((2, 4096), jnp.int32)
+    for device, form in (("cpu", "sequential"), ("tpu", "parallel"), ("gpu", "parallel")):
+        found = conductor.inspect(
+            state.apply_fn, {"params": state.params}, tokens, policy=conductor.Policy(device=device)
+        )
+        assert {(m.pattern, d.rewrite, d.scan_form) for m, d in found} == {("selective_scan", True, form)}
+
+
+def test_unknown_device_is_one_line_error():
+    with pytest.raises(ValueError, match="unknown device 'ipu'"):
+        conductor.device_profile("ipu")
