@@ -59,7 +59,7 @@ def fidelity(
 @bench_app.command("torch")
 def torch_bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON {capture, configs, checks}.")] = False,
-    preset: Annotated[str, typer.Option(help="GPT preset to train (small ones only: it runs on the CPU).")] = "gpt-tiny",
+    preset: Annotated[str, typer.Option(help="GPT preset to train (a small one: it runs on the CPU).")] = "gpt-tiny",
     batch: Annotated[int, typer.Option(min=4, help="Global batch; divisible by 4.")] = 8,
     seq: Annotated[int, typer.Option(min=1, help="Sequence length.")] = 64,
     steps: Annotated[int, typer.Option(min=2, help="AdamW steps.")] = 5,
@@ -110,3 +110,60 @@ def dag(
     out.print(
         f"improvement over HEFT: median {statistics.median(gains):.1%}, max {max(gains):.1%}, min {min(gains):.1%}"
     )
+
+
+@bench_app.command("planner")
+def planner(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {instances: [...]}.")] = False,
+    time_limit_s: Annotated[float, typer.Option(min=0.1, help="ILP time limit per instance.")] = 10.0,
+    quick: Annotated[bool, typer.Option(help="A smaller suite (for tests).")] = False,
+) -> None:
+    """ILP step time, bound and gap vs the baselines and (where small) enumeration."""
+    import statistics
+
+    from orchestrator.bench._planner import run_suite
+
+    console = Console(stderr=True)
+    with console.status("planning") as status:
+        rows = run_suite(time_limit_s=time_limit_s, quick=quick, progress=lambda n: status.update(f"planning {n}"))
+    if as_json:
+        json.dump({"instances": rows}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    names = ("uniform", "alpa", "pipedream", "greedy")
+    table = Table(title="planner: ILP vs baselines (predicted step time, s)")
+    for column in ("instance", "ILP", "bound", "gap", "solve s", *names, "exhaustive", "simulated", "vs alpa"):
+        table.add_column(column, justify="left" if column == "instance" else "right")
+
+    def cell(value):
+        return "-" if value is None else f"{value:.4g}"
+
+    for r in rows:
+        ilp = r["ilp"]
+        if ilp is None:
+            table.add_row(r["name"], "infeasible", *["-"] * (len(names) + 7))
+            continue
+        alpa = r["baselines"].get("alpa")
+        table.add_row(
+            r["name"],
+            cell(ilp["objective"]),
+            cell(ilp["bound"]),
+            "-" if ilp["gap"] is None else f"{ilp['gap']:.2%}",
+            f"{ilp['solve_s']:.1f}",
+            *(cell(r["baselines"].get(n)) for n in names),
+            cell(r["exhaustive"]),
+            cell(r.get("simulated")),
+            "-" if alpa is None else f"{alpa / ilp['objective']:.3f}×",
+        )
+    out = Console(width=220)
+    out.print(table)
+    speedups = [
+        r["baselines"]["alpa"] / r["ilp"]["objective"]
+        for r in rows
+        if r["ilp"] and r.get("mixed") and r["baselines"].get("alpa")
+    ]
+    if speedups:
+        out.print(
+            f"speedup over Alpa-style on mixed clusters: median {statistics.median(speedups):.3f}×, "
+            f"min {min(speedups):.3f}×, max {max(speedups):.3f}× ({len(speedups)} instances)"
+        )

@@ -95,6 +95,35 @@ def layer_runs(keys: list) -> list[Run]:
     return runs
 
 
+def undominated(groups: list[GroupConfig], runs: list[Run], table: CostTable, microbatches: int) -> list[GroupConfig]:
+    """Drop every group another group of the same type matches or beats on all counts: no more
+    devices and, for every run, no more time, memory (static, per in-flight microbatch,
+    transient), gradient sync or optimizer time. Swapping it in never hurts, so the optimum
+    is unchanged."""
+
+    def profile(g: GroupConfig) -> tuple[float, ...]:
+        values: list[float] = [g.size]
+        for run in runs:
+            e = table.entry(run.first, g, microbatches)
+            values += [e.time_s, e.static_bytes, e.activation_bytes, e.transient_bytes, e.dp_sync_s, e.optimizer_s]
+        return tuple(values)
+
+    profiles = {g: profile(g) for g in groups}
+    kept = []
+    for g in groups:
+        dominated = any(
+            h.device_type == g.device_type
+            and profiles[h] != profiles[g]
+            and all(a <= b for a, b in zip(profiles[h], profiles[g]))
+            for h in groups
+        )
+        # of groups with identical profiles keep the first
+        duplicate = any(profiles[h] == profiles[g] and h.device_type == g.device_type for h in kept)
+        if not dominated and not duplicate:
+            kept.append(g)
+    return kept
+
+
 class StageModel:
     """The ILP above for one microbatch count M and at most J stages."""
 
@@ -115,8 +144,10 @@ class StageModel:
         device, the same for every stage) and the objective becomes min Q — the least extra
         memory per device that would make a plan exist."""
         self.runs, self.J, self.M, self.repair = runs, max_stages, microbatches, repair
-        self.groups = [g for g in groups if table.microbatch(g, microbatches) is not None]
         self.table, self.infos, self.schedule, self.links = table, infos, schedule, links
+        self.groups = undominated(
+            [g for g in groups if table.microbatch(g, microbatches) is not None], runs, table, microbatches
+        )
         self.types = sorted({g.device_type for g in self.groups})
         R, J, G = range(len(runs)), range(max_stages), range(len(self.groups))
         lp = self.lp = pulp.LpProblem(f"plan_M{microbatches}", pulp.LpMinimize)

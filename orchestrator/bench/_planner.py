@@ -1,0 +1,109 @@
+"""``orchestrator bench planner``: the ILP against the baselines and, where enumerable, the optimum.
+
+Instances:
+* 30 random layer chains on one or two device types (``_synthetic``), small enough to enumerate;
+* captured recipes on the cluster presets: gpt2-small and mamba-130m on ``a100x8`` and
+  ``mixed-a100-v100``, gpt-1.3b on ``h100x16`` and ``mixed-a100-v100``, gpt-13b on
+  ``mixed-4type-64`` (batch 512 × 2048) and gpt-175b on ``mixed-4type-512`` (batch 1536 × 2048).
+
+Per instance: the ILP's step time, bound, gap and solve time; each baseline's step time;
+the exhaustive optimum (or None); and, when the simulator is present, the simulated step
+time of the ILP's plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+
+from orchestrator.baselines import BASELINES
+from orchestrator.bench._synthetic import random_instance
+from orchestrator.planner import PlanInfeasible, plan
+from orchestrator.planner._exhaustive import exhaustive_plan
+
+RANDOM = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages": 3}
+
+# (recipe, cluster, global batch, sequence)
+PRESETS = (
+    ("gpt2-small", "a100x8", 64, 1024),
+    ("gpt2-small", "mixed-a100-v100", 64, 1024),
+    ("mamba-130m", "a100x8", 64, 1024),
+    ("mamba-130m", "mixed-a100-v100", 64, 1024),
+    ("gpt-1.3b", "h100x16", 256, 2048),
+    ("gpt-1.3b", "mixed-a100-v100", 256, 2048),
+    ("gpt-13b", "mixed-4type-64", 512, 2048),
+    ("gpt-175b", "mixed-4type-512", 1536, 2048),
+)
+
+
+def captured_model(recipe_name: str, cluster_name: str, seq: int):
+    """The cost model of a recipe's training step (captured at batch 1) on a preset."""
+    from integrations.flax import capture
+    from orchestrator.cluster import load_cluster
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel
+    from recipes import get_recipe
+
+    recipe = get_recipe(recipe_name)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, seq))
+    return CostModel(graph, coarsen(graph), load_cluster(cluster_name), batch_size=1, param_axes=recipe.param_axes())
+
+
+def instances(*, quick: bool = False) -> Iterator[tuple[str, Callable, dict, bool]]:
+    """(name, model builder, planner settings, enumerable)."""
+    for seed in range(6 if quick else 30):
+        yield f"random seed={seed}", lambda s=seed: random_instance(s), RANDOM, True
+    for recipe, cluster, batch, seq in PRESETS[: 2 if quick else None]:
+        yield (
+            f"{recipe} × {cluster} (batch {batch}, seq {seq})",
+            lambda r=recipe, c=cluster, q=seq: captured_model(r, c, q),
+            {"global_batch": batch},
+            False,
+        )
+
+
+def _simulated(found, model) -> float | None:
+    try:
+        from orchestrator.simulate import compare
+    except ImportError:
+        return None
+    return compare(found, model)[1]
+
+
+def run_suite(*, time_limit_s: float = 10.0, quick: bool = False, progress=None) -> list[dict]:
+    rows = []
+    for name, build, settings, enumerable in instances(quick=quick):
+        if progress:
+            progress(name)
+        model = build()
+        started = time.perf_counter()
+        try:
+            found = plan(model, time_limit_s=time_limit_s, gap=1e-2 if not enumerable else 1e-6, **settings)
+        except PlanInfeasible as error:
+            rows.append({"name": name, "ilp": None, "infeasible": str(error), "baselines": {}, "exhaustive": None})
+            continue
+        elapsed = time.perf_counter() - started
+        baselines = {}
+        for baseline, run in BASELINES.items():
+            result = run(model, **settings)
+            baselines[baseline] = result.iteration_s if result else None
+        truth = exhaustive_plan(model, **settings) if enumerable else None
+        rows.append(
+            {
+                "name": name,
+                "ilp": {
+                    "objective": found.iteration_s,
+                    "bound": found.bound,
+                    "gap": found.gap if math.isfinite(found.gap) else None,
+                    "solve_s": elapsed,
+                    "stages": len(found.stages),
+                    "microbatches": found.microbatches,
+                },
+                "baselines": baselines,
+                "exhaustive": truth.iteration_s if truth else None,
+                "simulated": _simulated(found, model),
+                "mixed": len({s.device_type for s in found.stages}) > 1 or len(model.cluster.device_types) > 1,
+            }
+        )
+    return rows
