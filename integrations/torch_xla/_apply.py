@@ -135,6 +135,7 @@ def apply(
     device = torch_xla.device()
 
     names = {id(p): n for n, p in module.named_parameters()}
+    _init_state(optimizer)
     module.to(device)
     moved = dict(module.named_parameters())
     _repoint(optimizer, names, moved, device)
@@ -143,17 +144,13 @@ def apply(
         path = scope_path(name)
         specs[name] = partition_spec((param_axes or {}).get(path), param.shape, tp, tp_axes, path)
         xs.mark_sharding(param, mesh, specs[name])
+    for name, param in moved.items():
+        for value in optimizer.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                xs.mark_sharding(value, mesh, _zero_spec(specs[name], param.shape, dp) if zero else specs[name])
     layout = Layout(dp=dp, tp=tp, param_specs=specs, microbatches=plan.microbatches)
-    state_sharded = False
-
-    def shard_state() -> None:
-        for name, param in moved.items():
-            for value in optimizer.state.get(param, {}).values():
-                if isinstance(value, torch.Tensor) and value.shape == param.shape:
-                    xs.mark_sharding(value, mesh, _zero_spec(specs[name], param.shape, dp) if zero else specs[name])
 
     def step(*batch: torch.Tensor) -> torch.Tensor:
-        nonlocal state_sharded
         optimizer.zero_grad(set_to_none=True)
         total = None
         for micro in _microbatches(batch, plan.microbatches):
@@ -163,14 +160,38 @@ def apply(
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         optimizer.step()
-        if not state_sharded:  # torch optimizers create their state in the first step
-            shard_state()
-            state_sharded = True
         torch_xla.sync()
         return total
 
     step.layout = layout
     return step
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state on the CPU with one zero-gradient, zero-learning-rate step.
+
+    torch optimizers create their state in their first step; creating it here
+    lets it be sharded before the first XLA step, and makes the first step's
+    program the steady-state one (compiled once, not twice). For Adam, AdamW
+    and SGD with momentum (no dampening) that step leaves parameters, moments
+    and buffers at their initial values; step counters are reset to 0.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if all(p in optimizer.state for p in params):
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    for p in params:
+        p.grad = None
+        state = optimizer.state.get(p, {})
+        if "step" in state:
+            state["step"] = torch.zeros_like(state["step"]) if isinstance(state["step"], torch.Tensor) else 0
 
 
 def _zero_spec(spec: tuple[str | None, ...], shape: Sequence[int], dp: int) -> tuple[str | None, ...]:
@@ -197,7 +218,7 @@ def _to_mesh(tensor: torch.Tensor, device, mesh, xs) -> torch.Tensor:
 
 
 def _repoint(optimizer: torch.optim.Optimizer, names: dict[int, str], moved: dict[str, nn.Parameter], device) -> None:
-    """Replace the optimizer's parameters (and state keys) by the moved ones."""
+    """Replace the optimizer's parameters (and state keys) by the moved ones; moves non-scalar state along."""
     for group in optimizer.param_groups:
         old = group["params"]
         try:

@@ -83,12 +83,29 @@ def _reference(config, batches, lr: float, seed: int):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _newest_step_module(dump: Path, before: set[Path]) -> str:
-    """The optimized HLO of the largest module compiled since ``before``."""
-    new = [p for p in dump.glob("*cpu_after_optimizations.txt") if p not in before]
-    if not new:
-        raise RuntimeError(f"torch_xla compiled no new module into {dump}; is XLA_FLAGS --xla_dump_to set?")
-    return max(new, key=lambda p: p.stat().st_size).read_text()
+def _hlo_grab(dump: Path, at_step: int):
+    """A callback keeping the optimized HLO of the largest module compiled during step ``at_step``.
+
+    The first step compiles a program that reads the freshly uploaded state;
+    the second compiles the steady-state one that every later step reuses.
+    """
+    from integrations.torch_xla import Callback
+
+    class HloGrab(Callback):
+        hlo: str | None = None
+
+        def on_step_begin(self, step: int) -> None:
+            self.before = set(dump.glob("*cpu_after_optimizations.txt"))
+
+        def on_step_end(self, step: int, metrics) -> None:
+            if step != at_step:
+                return
+            new = [p for p in dump.glob("*cpu_after_optimizations.txt") if p not in self.before]
+            if not new:
+                raise RuntimeError(f"torch_xla compiled no new module into {dump}; is XLA_FLAGS --xla_dump_to set?")
+            self.hlo = max(new, key=lambda p: p.stat().st_size).read_text()
+
+    return HloGrab()
 
 
 def capture_parity(preset: str, batch: int, seq: int) -> dict:
@@ -123,8 +140,23 @@ def capture_parity(preset: str, batch: int, seq: int) -> dict:
     }
 
 
-def run(preset: str = "gpt-tiny", batch: int = 8, seq: int = 64, steps: int = 5, lr: float = 1e-3) -> list[dict]:
-    """Train under each of :data:`CONFIGS` and compare; returns one record per configuration."""
+def run(
+    preset: str = "gpt-tiny",
+    batch: int = 8,
+    seq: int = 64,
+    steps: int = 5,
+    lr: float = 1e-3,
+    *,
+    config=None,
+    configs: tuple[tuple[str, int, int], ...] = CONFIGS,
+    checkpoint_dir: str | None = None,
+) -> list[dict]:
+    """Train under each of ``configs`` (name, dp, tp) and compare; returns one record per configuration.
+
+    ``config`` (a ``GPTConfig``) overrides the preset's shape. With
+    ``checkpoint_dir``, the first configuration also checkpoints its last step
+    and the record says whether a restore brings the weights back.
+    """
     import torch
     import torch_xla.runtime as xr
 
@@ -134,12 +166,12 @@ def run(preset: str = "gpt-tiny", batch: int = 8, seq: int = 64, steps: int = 5,
     xr.global_runtime_device_count()
 
     from integrations.flax import hlo_collective_bytes
-    from integrations.torch_xla import apply, capture
+    from integrations.torch_xla import Checkpointer, StepTimer, apply, capture, fit
     from integrations.torch_xla._apply import DEFAULT_TP_AXES
     from recipes.torch_gpt import GPT, GPT_PRESETS, loss_fn, param_axes, synthetic_batch
 
     dump = Path(os.environ["ORCHESTRATOR_HLO_DUMP"])
-    config = GPT_PRESETS[preset]
+    config = config or GPT_PRESETS[preset]
     batches = [synthetic_batch(i, batch, seq, config.vocab_size) for i in range(steps)]
     ref_losses, ref_params = _reference(config, batches, lr, seed=0)
     with torch.device("meta"):
@@ -149,7 +181,7 @@ def run(preset: str = "gpt-tiny", batch: int = 8, seq: int = 64, steps: int = 5,
     axes = param_axes(config)
     n_layers = 2 + config.num_layers
     records = []
-    for name, dp, tp in CONFIGS:
+    for name, dp, tp in configs:
         if dp * tp != xr.global_runtime_device_count():
             raise RuntimeError(f"{name} needs {dp * tp} devices, torch_xla sees {xr.global_runtime_device_count()}")
         plan = _plan(dp, tp, batch, n_layers)
@@ -157,12 +189,13 @@ def run(preset: str = "gpt-tiny", batch: int = 8, seq: int = 64, steps: int = 5,
         model = GPT(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
         step = apply(plan, model, optimizer, loss_fn=loss_fn, param_axes=axes, tp_axes=DEFAULT_TP_AXES)
-        losses, hlo = [], None
-        for i, b in enumerate(batches):
-            before = set(dump.glob("*cpu_after_optimizations.txt"))
-            losses.append(step(b["inputs"], b["targets"]).item())
-            if i == 1:  # the first step also creates the optimizer state; the second is the steady one
-                hlo = _newest_step_module(dump, before)
+        timer, grab = StepTimer(), _hlo_grab(dump, at_step=1)
+        callbacks = [timer, grab]
+        if checkpoint_dir is not None and name == configs[0][0]:
+            checkpointer = Checkpointer(Path(checkpoint_dir) / name, model, optimizer, every_steps=steps)
+            callbacks.append(checkpointer)
+        history = fit(step, [(b["inputs"], b["targets"]) for b in batches], callbacks)
+        losses, hlo = [h["loss"] for h in history], grab.hlo
         params = {n: p.detach().cpu() for n, p in model.named_parameters()}
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         param_errs = {n: float((params[n] - p).abs().max() / p.abs().max()) for n, p in ref_params.items()}
@@ -182,9 +215,30 @@ def run(preset: str = "gpt-tiny", batch: int = 8, seq: int = 64, steps: int = 5,
                 "param_rel_err_global": (delta / norm) ** 0.5,
                 "predicted_all_reduce_bytes": predicted,
                 "hlo_collective_bytes": measured,
+                "step_times_s": timer.times_s,
             }
         )
+        if checkpoint_dir is not None and name == configs[0][0]:
+            records[-1]["checkpoint"] = _round_trip(checkpointer, model, params)
     return records
+
+
+def _round_trip(checkpointer, model, params) -> dict:
+    """Zero the trained weights, restore the newest checkpoint, compare with the weights before zeroing."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.0)
+    zeroed = max(float(p.detach().abs().max().cpu()) for p in model.parameters())
+    restored = checkpointer.restore()
+    after = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    return {
+        "steps_saved": checkpointer.steps(),
+        "restored_step": restored,
+        "max_abs_after_zeroing": zeroed,
+        "max_abs_diff_after_restore": max(float((after[n] - params[n]).abs().max()) for n in params),
+    }
 
 
 def _gpt_presets() -> list[str]:

@@ -54,7 +54,10 @@ class Checkpointer(Callback):
 
         path = self.directory / f"step_{step}"
         state = {"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}
-        dist_cp.save(state_dict=state, storage_writer=dist_cp.FileSystemWriter(str(path)), planner=xc.SPMDSavePlanner())
+        # per_thread_copy_ahead=0: the serial CPU loader. The overlapping one asks the
+        # privateuse1 backend torch_xla registers ("torchax") for a stream it does not have.
+        writer = dist_cp.FileSystemWriter(str(path), per_thread_copy_ahead=0)
+        dist_cp.save(state_dict=state, storage_writer=writer, planner=xc.SPMDSavePlanner())
         self._saved = step
         return path
 

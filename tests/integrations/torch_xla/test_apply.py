@@ -1,0 +1,131 @@
+"""apply(plan) on 4 CPU XLA devices: DP, TP and DP×TP against one device and against the planner.
+
+The torch_xla part runs once, in a fresh process (``_xla_worker``): torch_xla
+needs ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES=4`` and an HLO dump directory set
+before it starts, and this process runs jax with 8 host devices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from integrations.torch_xla import PlanNotSupported, StepTimer, apply, fit, partition_spec
+from integrations.torch_xla._bench import _plan
+from integrations.torch_xla._callbacks import Callback
+from orchestrator.planner import Plan
+from tests.integrations.torch_xla._xla_worker import SHAPE
+
+
+@pytest.fixture(scope="module")
+def worker():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.torch_xla._xla_worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {record["name"].split()[1]: record for record in result["configs"]}
+
+
+@pytest.mark.parametrize("config", ["DP", "TP", "DPxTP"])
+def test_training_equals_single_device(worker, config):
+    record = worker[config]
+    assert len(record["losses"]) == 5
+    assert record["loss_rel_err"] <= 1e-5
+    assert record["param_rel_err_global"] <= 1e-5
+    assert record["losses"][-1] < record["losses"][0]  # it trains
+
+
+def test_tensor_parallel_collectives_match_the_planner(worker):
+    record = worker["TP"]
+    measured = record["hlo_collective_bytes"]
+    assert measured["all-reduce"] == pytest.approx(record["predicted_all_reduce_bytes"], rel=0.01)
+    assert sum(v for k, v in measured.items() if k != "all-reduce") == 0
+
+
+@pytest.mark.parametrize("config", ["DP", "DPxTP"])
+def test_data_parallel_residual_is_the_tied_embedding(worker, config):
+    """XLA all-reduces the tied embedding's two gradient contributions apart; the planner counts it once."""
+    record = worker[config]
+    measured = record["hlo_collective_bytes"]
+    tied = SHAPE["vocab_size"] * SHAPE["d_model"] * 4
+    residual = measured["all-reduce"] - record["predicted_all_reduce_bytes"]
+    assert tied <= residual < tied + 64  # + a few loss scalars
+    assert sum(v for k, v in measured.items() if k != "all-reduce") == 0
+
+
+@pytest.mark.xfail(strict=True, reason="the cost model syncs a tied parameter's gradient once; XLA twice (also in JAX)")
+@pytest.mark.parametrize("config", ["DP", "DPxTP"])
+def test_data_parallel_collectives_match_the_planner(worker, config):
+    record = worker[config]
+    assert record["hlo_collective_bytes"]["all-reduce"] == pytest.approx(record["predicted_all_reduce_bytes"], rel=0.01)
+
+
+def test_checkpoint_round_trip(worker):
+    checkpoint = worker["DP"]["checkpoint"]
+    assert checkpoint["steps_saved"] == [4]
+    assert checkpoint["restored_step"] == 4
+    assert checkpoint["max_abs_after_zeroing"] == 0.0
+    assert checkpoint["max_abs_diff_after_restore"] == 0.0
+
+
+def test_step_timer_sees_the_compile(worker):
+    times = worker["TP"]["step_times_s"]
+    assert len(times) == 5
+    assert max(times[2:]) < min(times[:2])  # steps 1 and 2 compile, later ones reuse the program
+
+
+def test_pipeline_plans_are_refused():
+    one = _plan(2, 1, 8, 4).stages[0]
+    two = Plan(stages=(one, one), schedule="1f1b", microbatches=2, global_batch=8, iteration_s=0.0)
+    with pytest.raises(PlanNotSupported, match="2 pipeline stages"):
+        apply(two, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_tensor_parallel_needs_axes_and_divisible_dims():
+    with pytest.raises(PlanNotSupported, match="param_axes"):
+        lin = torch.nn.Linear(2, 2)
+        apply(_plan(1, 2, 8, 4), lin, torch.optim.SGD(lin.parameters(), lr=0.1))
+    with pytest.raises(PlanNotSupported, match="not divisible by tp=4"):
+        partition_spec(("embed", "mlp"), (32, 6), 4, frozenset({"mlp"}), "mlp/c_fc/kernel")
+    assert partition_spec(("embed", None, "heads", "kv"), (32, 3, 4, 8), 2, frozenset({"heads"}), "k") == (
+        None,
+        None,
+        "model",
+        None,
+    )
+    assert partition_spec(("embed", "mlp"), (32, 128), 1, frozenset({"mlp"}), "k") == (None, None)
+
+
+def test_fit_calls_hooks_in_order():
+    events = []
+
+    class Recorder(Callback):
+        def on_train_begin(self):
+            events.append("begin")
+
+        def on_step_begin(self, step):
+            events.append(f"step {step}")
+
+        def on_step_end(self, step, metrics):
+            events.append(f"end {step} {metrics['loss']:.1f}")
+
+        def on_train_end(self):
+            events.append("done")
+
+    timer = StepTimer()
+    history = fit(lambda x: torch.tensor(x * 2.0), [(1.0,), (2.0,)], callbacks=[Recorder(), timer])
+    assert history == [{"loss": 2.0}, {"loss": 4.0}]
+    assert events == ["begin", "step 0", "end 0 2.0", "step 1", "end 1 4.0", "done"]
+    assert len(timer.times_s) == 2 and timer.median_s(skip=1) == timer.times_s[1]
+    with pytest.raises(ValueError, match="no step"):
+        StepTimer().median_s()
