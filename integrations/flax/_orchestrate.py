@@ -1,0 +1,152 @@
+"""``orchestrate``: capture, cost, plan, shard and compile a Flax train step in one call.
+
+    capture(train_step, state, batch) → coarsen → CostModel (layer times
+    profiled on the local device when planning for ``local``) → plan →
+    shard(state) → compile_step
+
+The result keeps the placed state; the user's loop calls ``step(batch)`` and
+reads the metrics it returns, and the callbacks (``integrations.callbacks``)
+run around every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import jax
+
+from integrations.callbacks import Callback, CallbackList
+from integrations.flax._capture import capture
+from integrations.flax._shard import shard
+from integrations.flax._step import compile_step
+
+
+class OrchestratedTrainState:
+    """A train state placed and compiled per a plan.
+
+    Attributes:
+      state: the current (sharded) state.
+      plan: the plan being executed.
+      graph, layers, cost_model: what the plan was made from.
+      step_fn: ``step_fn(state, batch) -> (state, metrics)`` (pure; ``step`` wraps it).
+      callbacks: run around each ``step``.
+      steps_done: number of steps run.
+    """
+
+    def __init__(self, *, state, plan, graph, layers, cost_model, step_fn, callbacks: CallbackList):
+        self.state, self.plan = state, plan
+        self.graph, self.layers, self.cost_model = graph, layers, cost_model
+        self.step_fn, self.callbacks = step_fn, callbacks
+        self.steps_done = 0
+        self._begun = False
+
+    def step(self, batch) -> Mapping:
+        """Run one training step on ``batch`` under the plan; returns the step's metrics."""
+        if not self._begun:
+            self.callbacks.on_train_begin(state=self.state, plan=self.plan)
+            self._begun = True
+        self.callbacks.on_step_begin(self.steps_done)
+        self.state, metrics = self.step_fn(self.state, batch)
+        self.callbacks.on_step_end(self.steps_done, metrics, state=self.state)
+        self.steps_done += 1
+        return metrics
+
+    __call__ = step
+
+    def close(self) -> None:
+        """Signal the end of training to the callbacks (final checkpoint, ...)."""
+        if self._begun:
+            self.callbacks.on_train_end(state=self.state)
+
+
+def _conductor(train_step: Callable, state, batch) -> Callable:
+    try:
+        import conductor
+    except ImportError:
+        conductor = None
+    optimize = getattr(conductor, "optimize", None)
+    if optimize is None:
+        raise NotImplementedError(
+            "conductor=True needs conductor.optimize (issue 6), which does not exist yet; use conductor=False"
+        )
+    return optimize(train_step, state, batch)
+
+
+def orchestrate(
+    state,
+    train_step: Callable,
+    cluster="local",
+    *,
+    batch,
+    param_axes: Mapping | None = None,
+    plan=None,
+    callbacks: Iterable[Callback] = (),
+    conductor: bool = False,
+    profile: bool = True,
+    max_stages: int | None = None,
+    time_limit_s: float = 10.0,
+    zero: bool = False,
+) -> OrchestratedTrainState:
+    """Capture, plan, shard and compile ``train_step`` for ``cluster``.
+
+    Args:
+      state: the Flax ``TrainState`` (concrete arrays).
+      train_step: ``train_step(state, batch) -> (state, metrics)``; metrics hold ``"loss"`` (needed by pipelines).
+      cluster: a :class:`~orchestrator.cluster.Cluster` or a preset name; execution needs its devices to be
+        jax's devices (``"local"``).
+      batch: an example batch (arrays or ``jax.ShapeDtypeStruct``), at the global batch size.
+      param_axes: logical axis names by parameter path (``Recipe.param_axes()``); enables tensor parallelism.
+      plan: execute this plan instead of planning.
+      callbacks: run around every step.
+      conductor: rewrite the step with :mod:`conductor` kernels first (needs ``conductor.optimize``).
+      profile: time the layers on the local device and use those times (``local`` cluster only).
+      max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`.
+      zero: shard optimizer moments over data-parallel replicas.
+
+    Returns:
+      An :class:`OrchestratedTrainState`; call ``.step(batch)`` in the loop.
+
+    Raises:
+      NotImplementedError: ``conductor=True`` before the conductor exists.
+
+    Example:
+      >>> run = orchestrate(state, train_step, "local", batch=batch, param_axes=recipe.param_axes())  # doctest: +SKIP
+      >>> metrics = run.step(batch)  # doctest: +SKIP
+    """
+    from orchestrator.cluster import load_cluster
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel
+
+    if isinstance(cluster, str):
+        cluster = load_cluster(cluster)
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    if conductor:
+        train_step = _conductor(train_step, abstract, spec)
+    graph = capture(train_step, abstract, spec)
+    layers = coarsen(graph)
+    global_batch = {x.shape[0] for x in jax.tree.leaves(spec)}
+    if len(global_batch) != 1:
+        raise ValueError(f"every batch leaf needs the same leading (batch) dim, got {sorted(global_batch)}")
+    [global_batch] = global_batch
+    measured = None
+    if profile and cluster.name == "local":
+        from integrations.flax._profile import profile_layers
+
+        measured = profile_layers(train_step, abstract, spec, graph=graph, layers=layers)
+    model = CostModel(graph, layers, cluster, batch_size=global_batch, param_axes=param_axes, measured=measured)
+    if plan is None:
+        from orchestrator.planner import plan as make_plan
+
+        plan = make_plan(model, global_batch=global_batch, max_stages=max_stages, time_limit_s=time_limit_s)
+    placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero)
+    step_fn = compile_step(plan, train_step, placed, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero)
+    return OrchestratedTrainState(
+        state=placed,
+        plan=plan,
+        graph=graph,
+        layers=layers,
+        cost_model=model,
+        step_fn=step_fn,
+        callbacks=CallbackList(callbacks),
+    )
