@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from orchestrator.planner._evaluate import Evaluation
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import StageModel
@@ -57,6 +59,13 @@ def binding_notes(
     return tuple(notes)
 
 
+def _round_up(value: float, digits: int = 3) -> float:
+    if value <= 0:
+        return 0.0
+    scale = 10 ** (math.floor(math.log10(value)) - digits + 1)
+    return math.ceil(value / scale) * scale
+
+
 def infeasibility_message(model, space, candidates, max_stages: int, schedule: str, global_batch: int) -> str:
     """Name the binding constraint and the least extra memory per device that would make a plan exist."""
     devices = sum(info.devices for info in space.infos.values())
@@ -83,8 +92,9 @@ def infeasibility_message(model, space, candidates, max_stages: int, schedule: s
     if least is None:
         return f"{head}: the device and stage limits leave no assignment (more devices or --max-stages needed)"
     extra_gb, M = least
+    extra_gb = _round_up(extra_gb * (1 + 1e-6))  # shown rounded up, so adding what it says is enough
     return (
         f"{head}: the memory constraint binds — every split into ≤ {max_stages} stages with microbatches in {valid} "
-        f"exceeds device memory; the least extra memory that makes a plan exist is {extra_gb:.3g} GB per device "
+        f"exceeds device memory; the least extra memory that makes a plan exist is {extra_gb:.4g} GB per device "
         f"(at {M} microbatches). Add devices or memory, allow more stages, or use a smaller batch."
     )

@@ -46,3 +46,22 @@ def test_no_tensor_parallelism_across_a_slow_host_link():
         for first in range(0, len(stage.devices), stage.tp):
             group = stage.devices[first : first + stage.tp]
             assert len({hosts[d] for d in group}) == 1, stage
+
+
+def test_infeasible_names_memory_and_the_least_extra_that_makes_a_plan_exist():
+    import re
+
+    import pytest
+
+    from orchestrator.planner import PlanInfeasible
+
+    model = [BLOCK] * 4  # 8 GB of weights, 32 GB with gradients and optimizer state
+    with pytest.raises(PlanInfeasible, match="memory constraint binds") as info:
+        plan(SyntheticCosts(model, synthetic_cluster({"gpu": (20.0, 6.0)}, per_host=2)), global_batch=8)
+    extra_gb = float(re.search(r"least extra memory that makes a plan exist is ([0-9.e+-]+) GB", str(info.value))[1])
+    assert extra_gb > 0
+    enough = synthetic_cluster({"gpu": (20.0, 6.0 + extra_gb)}, per_host=2)
+    assert plan(SyntheticCosts(model, enough), global_batch=8).iteration_s > 0
+    too_little = synthetic_cluster({"gpu": (20.0, 6.0 + extra_gb * 0.98)}, per_host=2)
+    with pytest.raises(PlanInfeasible):
+        plan(SyntheticCosts(model, too_little), global_batch=8)
