@@ -1,10 +1,13 @@
 """The ``local`` cluster: this machine's jax devices, measured.
 
 Virtual CPU devices (``--xla_force_host_platform_device_count``) share the
-machine's cores; the cluster records that in ``shared_cores`` so the cost
-model can divide the machine's throughput among devices that run at once.
-Peak FLOP/s and memory bandwidth are measured once per process with a
-compiled matmul and a copy (medians of a few runs).
+machine's cores; the cluster records that in ``shared_cores``. Peak FLOP/s and
+memory bandwidth are measured once per process with a compiled matmul and a
+copy on one device (medians of a few runs), and each of n virtual devices on
+c cores is given its share when all run at once:
+
+    peak_flops(device) = measured FLOP/s · min(1, c / n)
+    bandwidth(device)  = measured bytes/s · min(1, c / n)
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ def local_cluster() -> Cluster:
     except ImportError:  # pragma: no cover - psutil ships with our dependencies
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = devices[0].platform == "cpu"
+    cores = os.cpu_count() or 1
+    share = min(1.0, cores / len(devices)) if cpu else 1.0  # virtual CPU devices split the cores
     per_device_memory = memory // len(devices) if cpu else memory
     dtype = DeviceType(
         name=kind,
-        peak_flops={"float32": flops},
+        peak_flops={"float32": flops * share},
         memory_bytes=int(per_device_memory),
-        memory_bandwidth_bytes_per_s=bandwidth,
+        memory_bandwidth_bytes_per_s=bandwidth * share,
     )
     # Devices of one process exchange data through host memory.
     link = Link(bandwidth_bytes_per_s=bandwidth / 2, latency_s=5e-6)
@@ -59,5 +64,5 @@ def local_cluster() -> Cluster:
         hosts=(Host(name="localhost", device_type=kind, count=len(devices), rack="localhost", intra_link=link),),
         rack_link=None,
         cluster_link=None,
-        shared_cores=(os.cpu_count() or 1) if cpu else None,
+        shared_cores=cores if cpu else None,
     )
