@@ -10,6 +10,10 @@ For a GPT recipe trained for ``steps`` AdamW steps under DP, TP and DP×TP
   Σ over layers of the cost model's TP all-reduce bytes plus DP gradient
   sync bytes; other collective kinds are predicted to be absent.
 
+With ZeRO (``DP-ZeRO``) the collectives are reported, not compared: the
+planner prices a reduce-scatter and an all-gather of the gradients, XLA
+emits an all-reduce of the gradients and an all-gather of the updated shards.
+
 torch_xla must not have started in this process: run it as
 ``python -m integrations.torch_xla._bench [--json]``, which sets
 ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES`` and an HLO dump directory first.
@@ -25,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 CONFIGS = (("DP", 4, 1), ("TP", 1, 4), ("DPxTP", 2, 2))  # (name, dp, tp) on 4 devices
+ZERO_CONFIGS = (("DP-ZeRO", 4, 1),)  # the same, with the optimizer moments split over "data"
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
@@ -45,8 +50,8 @@ def _plan(dp: int, tp: int, batch: int, layers: int):
     return Plan(stages=(stage,), schedule="1f1b", microbatches=1, global_batch=batch, iteration_s=0.0)
 
 
-def predicted_collective_bytes(graph, plan, param_axes, tp_axes) -> float:
-    """The planner's all-reduce bytes per device for one step of a one-stage ``plan`` (TP + DP sync)."""
+def predicted_collective_bytes(graph, plan, param_axes, tp_axes, *, zero: bool = False) -> float:
+    """The planner's collective bytes per device for one step of a one-stage ``plan`` (TP all-reduces + DP sync)."""
     from orchestrator.cluster import load_cluster
     from orchestrator.coarsen import coarsen
     from orchestrator.costs import CostModel, ParallelConfig
@@ -56,7 +61,7 @@ def predicted_collective_bytes(graph, plan, param_axes, tp_axes) -> float:
     device_type = next(iter(cluster.device_types))
     [stage] = plan.stages
     model = CostModel(graph, layers, cluster, batch_size=plan.global_batch, param_axes=param_axes, tp_axes=tp_axes)
-    config = ParallelConfig(tp=stage.tp, dp=stage.dp, microbatch_size=stage.microbatch_size)
+    config = ParallelConfig(tp=stage.tp, dp=stage.dp, microbatch_size=stage.microbatch_size, zero=zero)
     total = 0.0
     for layer in stage.layers:
         cost = model.layer_cost(layer, device_type, config)
@@ -149,6 +154,7 @@ def run(
     *,
     config=None,
     configs: tuple[tuple[str, int, int], ...] = CONFIGS,
+    zero_configs: tuple[tuple[str, int, int], ...] = (),
     checkpoint_dir: str | None = None,
 ) -> list[dict]:
     """Train under each of ``configs`` (name, dp, tp) and compare; returns one record per configuration.
@@ -181,14 +187,14 @@ def run(
     axes = param_axes(config)
     n_layers = 2 + config.num_layers
     records = []
-    for name, dp, tp in configs:
+    for name, dp, tp, zero in [(*c, False) for c in configs] + [(*c, True) for c in zero_configs]:
         if dp * tp != xr.global_runtime_device_count():
             raise RuntimeError(f"{name} needs {dp * tp} devices, torch_xla sees {xr.global_runtime_device_count()}")
         plan = _plan(dp, tp, batch, n_layers)
         torch.manual_seed(0)
         model = GPT(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        step = apply(plan, model, optimizer, loss_fn=loss_fn, param_axes=axes, tp_axes=DEFAULT_TP_AXES)
+        step = apply(plan, model, optimizer, loss_fn=loss_fn, param_axes=axes, tp_axes=DEFAULT_TP_AXES, zero=zero)
         timer, grab = StepTimer(), _hlo_grab(dump, at_step=1)
         callbacks = [timer, grab]
         if checkpoint_dir is not None and name == configs[0][0]:
@@ -203,7 +209,7 @@ def run(
         delta = sum(float(((params[n] - p) ** 2).sum()) for n, p in ref_params.items())
         norm = sum(float((p**2).sum()) for p in ref_params.values())
         measured = hlo_collective_bytes(hlo)
-        predicted = predicted_collective_bytes(graph, plan, axes, DEFAULT_TP_AXES)
+        predicted = predicted_collective_bytes(graph, plan, axes, DEFAULT_TP_AXES, zero=zero)
         records.append(
             {
                 "name": f"{preset} {name} (dp={dp}, tp={tp}), batch {batch}x{seq}, {steps} steps",
@@ -213,6 +219,7 @@ def run(
                 "param_rel_err": param_errs[worst],
                 "worst_param": worst,
                 "param_rel_err_global": (delta / norm) ** 0.5,
+                "zero": zero,
                 "predicted_all_reduce_bytes": predicted,
                 "hlo_collective_bytes": measured,
                 "step_times_s": timer.times_s,
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             ORCHESTRATOR_HLO_DUMP=dump,
             XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=SyncTensorsGraph.*",
         )
-        records = run(args.preset, args.batch, args.seq, args.steps)
+        records = run(args.preset, args.batch, args.seq, args.steps, zero_configs=ZERO_CONFIGS)
         parity = capture_parity(args.preset, args.batch, args.seq)
     json.dump({"capture": parity, "configs": records}, sys.stdout)
     sys.stdout.write("\n")
