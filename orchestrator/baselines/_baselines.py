@@ -85,6 +85,9 @@ class _Search:
         self.candidates = [m for m in microbatch_candidates if global_batch % m == 0]
         self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
 
+    def stage_counts(self, given):
+        return [S for S in given if S <= self.max_stages] if given else range(1, self.max_stages + 1)
+
     def score(self, name, split, groups, M, best):
         if split is None or groups is None:
             return best
@@ -117,10 +120,18 @@ class _Search:
 
 
 def uniform(
-    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+    model,
+    *,
+    global_batch,
+    schedule="1f1b",
+    microbatch_candidates=DEFAULT_MICROBATCHES,
+    max_stages=None,
+    recompute=True,
+    space=None,
+    stage_counts=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
-    for S in range(1, search.max_stages + 1):
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, search.space, S)
         for M in search.candidates if blocks else ():
             split = equal_split(search.space.layers, S)
@@ -129,10 +140,18 @@ def uniform(
 
 
 def alpa(
-    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+    model,
+    *,
+    global_batch,
+    schedule="1f1b",
+    microbatch_candidates=DEFAULT_MICROBATCHES,
+    max_stages=None,
+    recompute=True,
+    space=None,
+    stage_counts=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
-    for S in range(1, search.max_stages + 1):
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, search.space, S)
         for M in search.candidates if blocks else ():
             split = search.reference_split(blocks, M, tp=True)
@@ -142,10 +161,18 @@ def alpa(
 
 
 def pipedream(
-    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+    model,
+    *,
+    global_batch,
+    schedule="1f1b",
+    microbatch_candidates=DEFAULT_MICROBATCHES,
+    max_stages=None,
+    recompute=True,
+    space=None,
+    stage_counts=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
-    for S in range(1, search.max_stages + 1):
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, search.space, S)
         for M in search.candidates if blocks else ():
             split = search.reference_split(blocks, M, tp=False)
@@ -155,11 +182,19 @@ def pipedream(
 
 
 def greedy(
-    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+    model,
+    *,
+    global_batch,
+    schedule="1f1b",
+    microbatch_candidates=DEFAULT_MICROBATCHES,
+    max_stages=None,
+    recompute=True,
+    space=None,
+    stage_counts=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute), None
+    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
     space, L = search.space, search.space.layers
-    for S in range(1, search.max_stages + 1):
+    for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, space, S)
         for M in search.candidates if blocks else ():
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
@@ -214,7 +249,7 @@ def balanced(
     used as the ILP's starting incumbent."""
     search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
     space = search.space
-    for S in stage_counts or range(1, search.max_stages + 1):
+    for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, space, S)
         for M in search.candidates if blocks else ():
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}

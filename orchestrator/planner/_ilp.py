@@ -53,6 +53,7 @@ optimizer step).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pulp
@@ -339,6 +340,19 @@ class StageModel:
         if self.repair:
             self.lp.setObjective(self.Q)
         return self
+
+    def simple_bound_s(self) -> float:
+        """A lower bound on this M's step time that needs no solve (seconds): the capacity cut
+        alone, M·T ≥ M · Σ_r n_r · min_g size_g·τ(r,g) / N (every layer's cheapest device-seconds
+        spread perfectly over all N devices)."""
+        if not self.groups:
+            return math.inf
+        devices = sum(info.devices for info in self.infos.values())
+        work = sum(
+            run.count * min(g.size * self.entry(r, i).time_s for i, g in enumerate(self.groups))
+            for r, run in enumerate(self.runs)
+        )
+        return self.M * work / devices
 
     def set_start(self, stages: list[list[int]], groups: list[GroupConfig]) -> bool:
         """Give every variable the value of a known plan (a starting incumbent for the solver).

@@ -75,19 +75,24 @@ def _allocate(cluster: Cluster, groups: list[GroupConfig]) -> list[tuple[str, ..
     return out  # type: ignore[return-value]
 
 
-def _heuristic(model, space, global_batch, schedule, candidates, max_stages):
-    """A fast feasible plan to start from (the balanced heuristic over power-of-two stage counts)."""
-    from orchestrator.baselines import balanced
+def _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute):
+    """The best of our balanced heuristic and every baseline (over stage counts of the form 2^k
+    and 3·2^k, to bound the time): the ILP starts from it, so the plan returned is never worse
+    than those baselines, even when the time limit stops the search."""
+    from orchestrator.baselines import BASELINES, balanced
 
-    stage_counts = tuple(s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max_stages)
-    return balanced(
-        model,
-        global_batch=global_batch,
-        schedule=schedule,
-        microbatch_candidates=tuple(candidates),
-        stage_counts=stage_counts,
-        space=space,
-    )
+    settings = {
+        "global_batch": global_batch,
+        "schedule": schedule,
+        "microbatch_candidates": tuple(candidates),
+        "max_stages": max_stages,
+        "recompute": recompute,
+        "space": space,
+        "stage_counts": [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= max_stages],
+    }
+    found = [run(model, **settings) for run in (balanced, *BASELINES.values())]
+    found = [f for f in found if f is not None]
+    return min(found, key=lambda f: f.iteration_s) if found else None
 
 
 def plan(
@@ -136,7 +141,7 @@ def plan(
     max_stages = min(max_stages or 16, L, len(cluster.devices()))
     candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
     best, lower = None, math.inf
-    start = _heuristic(model, space, global_batch, schedule, candidates, max_stages)
+    start = _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute)
     if start is not None:
         ev = evaluate(
             start.stages,
@@ -187,12 +192,13 @@ def plan(
             result.objective,
             result.bound,
         )
+        bound = max(result.bound / MS, sub.simple_bound_s())
         if not result.has_solution:
             # "Infeasible" under a cutoff means: nothing better than the incumbent for this M
             if result.status != "Infeasible":
-                lower = min(lower, result.bound / MS)
+                lower = min(lower, bound)
             continue
-        lower = min(lower, result.bound / MS)
+        lower = min(lower, bound)
         stages, chosen = sub.read()
         ev = evaluate(stages, chosen, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
         if ev.feasible and (best is None or ev.iteration_s < best[0].iteration_s):
