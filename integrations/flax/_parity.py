@@ -15,6 +15,7 @@ difference and the largest absolute parameter difference.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import jax
@@ -40,24 +41,24 @@ def _stage(layers, devices, *, tp: int, dp: int, microbatch: int, device_type: s
 
 
 def check_plan(name: str, *, global_batch: int, device_type: str = "cpu", host: str = "localhost"):
-    """One of :data:`PLAN_NAMES` as a :class:`~orchestrator.planner.Plan` for a 4-layer model on 8 devices."""
-    from orchestrator.planner._plan import Plan
+    """A :class:`~orchestrator.planner.Plan` for a 4-layer model on the first devices of 8.
 
-    def one(dp: int, tp: int):
-        stage = _stage(range(4), range(8), tp=tp, dp=dp, microbatch=global_batch // dp, device_type=device_type)
-        return Plan(stages=(stage,), schedule="gpipe", microbatches=1, global_batch=global_batch, iteration_s=0.0)
+    ``name`` is one of :data:`PLAN_NAMES` or any single-stage ``DP<a>``, ``TP<b>``, ``DP<a>xTP<b>`` (a·b ≤ 8).
+    """
+    from orchestrator.planner._plan import Plan
 
     if global_batch % 16:
         raise ValueError(
             f"the check plans need a global batch divisible by 16 (4 microbatches × DP4), got {global_batch}"
         )
     b = global_batch // 4
-    if name == "DP8":
-        return one(8, 1)
-    if name == "TP8":
-        return one(1, 8)
-    if name == "DP2xTP4":
-        return one(2, 4)
+    single = re.fullmatch(r"(?:DP(\d+))?x?(?:TP(\d+))?", name)
+    if single and any(single.groups()):
+        dp, tp = int(single.group(1) or 1), int(single.group(2) or 1)
+        if dp * tp > 8:
+            raise ValueError(f"plan {name!r} needs {dp * tp} devices; there are 8")
+        stage = _stage(range(4), range(dp * tp), tp=tp, dp=dp, microbatch=global_batch // dp, device_type=device_type)
+        return Plan(stages=(stage,), schedule="gpipe", microbatches=1, global_batch=global_batch, iteration_s=0.0)
     if name == "2 stages (3+1) x 4 mb":
         stages = (
             _stage((0, 1, 2), range(4), tp=2, dp=2, microbatch=b // 2, device_type=device_type, host=host),

@@ -348,6 +348,72 @@ class Pipeline:
                 per_stage[s][kind] += nbytes * (1 if what == "update" else m)
         return per_stage, self._last_state
 
+    def stage_seconds(self, state, batch, *, repeats: int = 5) -> list[float]:
+        """Per stage, the median wall time of one microbatch's forward + backward, run alone.
+
+        Stage s's inputs are real: earlier stages' forwards run first (untimed);
+        cotangents are ones (the loss's is 1/M). Other stages idle meanwhile.
+        """
+        import statistics
+        import time
+
+        key = str(jax.tree.map(lambda x: (np.shape(x), str(x.dtype)), batch))
+        if key not in self._built:
+            self._built[key] = self._build(state, batch)
+        micro, programs, fns = self._built[key]
+        params = {
+            param_path_name(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+            if is_param_path(path)
+        }
+        leaves = jax.tree.leaves(batch)
+        acts: dict[tuple[int, object], jax.Array] = {}
+        out = []
+        for s, (p, f) in enumerate(zip(programs, fns)):
+            args = []
+            for kind in p.inputs:
+                if kind[0] == "param":
+                    leaf = params[kind[1]]
+                    args.append(jax.device_put(leaf, self.param_sharding(s, kind[1], leaf.shape)))
+                elif kind[0] == "batch":
+                    leaf = leaves[kind[1]][:micro]
+                    args.append(jax.device_put(leaf, self.act_sharding(s, leaf, micro)))
+                else:
+                    args.append(acts[(s, kind[2])])
+            outs = f["forward"](args)
+            outs = outs if f["recompute"] else outs[0]
+            for k, value in zip(p.outputs, outs):
+                for t in p.consumers.get(k, []):
+                    acts[(t, k)] = jax.device_put(value, self.act_sharding(t, value, micro))
+            cts = [
+                jax.device_put(
+                    np.full(a.shape, 1.0 / self.plan.microbatches if k == "loss" else 1.0, a.dtype),
+                    NamedSharding(self.meshes[s], P()) if k == "loss" else self.act_sharding(s, a, micro),
+                )
+                for k, a in zip(p.outputs, f["out_avals"])
+            ]
+            shardings = [args[i].sharding for i in f["param_inputs"]]
+
+            def once(args=args, cts=cts, f=f, shardings=shardings):
+                acc = [
+                    jax.device_put(np.zeros(args[i].shape, args[i].dtype), sh)
+                    for i, sh in zip(f["param_inputs"], shardings)
+                ]
+                jax.block_until_ready(acc)
+                start = time.perf_counter()
+                if f["recompute"]:
+                    f["forward"](args)
+                    result = f["backward"](args, cts, acc)
+                else:
+                    _, vjp = f["forward"](args)
+                    result = f["backward"](vjp, cts, acc)
+                jax.block_until_ready(result)
+                return time.perf_counter() - start
+
+            once()  # warm-up (compiles)
+            out.append(statistics.median(once() for _ in range(repeats)))
+        return out
+
     def _record_step(self, state, batch):
         records = self._record
         self._last_state, _ = self(state, batch)
