@@ -32,3 +32,17 @@ def divisible_block(size: int, target: int) -> int:
     while block > 1 and size % block:
         block //= 2
     return block
+
+
+def compiler_params(platform: str | None):
+    """Pallas compiler parameters for ``platform`` (default: the local backend).
+
+    On GPUs, Triton: jax 0.10 otherwise picks Mosaic GPU, which lowers no ``dot_general``
+    in ``pallas_call`` kernels. Elsewhere none (a TPU lowering refuses GPU parameters).
+    """
+    platform = platform or jax.default_backend()
+    if platform not in ("gpu", "cuda", "rocm"):
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)

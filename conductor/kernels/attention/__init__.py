@@ -36,6 +36,7 @@ def attention(
     block_sizes: AttentionBlockSizes | None = None,
     implementation: Implementation = "pallas",
     interpret: bool | None = None,
+    platform: str | None = None,
 ):
     """softmax(scale · Q Kᵀ [+ causal mask]) V without materialising the scores.
 
@@ -47,6 +48,8 @@ def attention(
       block_sizes: block lengths; each must divide its sequence length.
       implementation: ``"pallas"``, ``"xla_chunked"`` or ``"reference"``.
       interpret: run Pallas in interpret mode; default: on the CPU backend.
+      platform: the platform Pallas lowers for (``"tpu"``, ``"cuda"``); default the local backend.
+        Set it when exporting for another platform (``jax.export(..., platforms=[...])``).
     Returns:
       (batch, seq_q, heads, head_dim), differentiable (custom VJP keeping only the log-sum-exp).
     Raises:
@@ -69,7 +72,15 @@ def attention(
     if implementation == "xla_chunked":
         return attention_xla_chunked(q, k, v, causal=causal, scale=scale, block_q=bq, block_k=bk)
     return attention_pallas(
-        q, k, v, causal=causal, scale=scale, block_q=bq, block_k=bk, interpret=interpret_default(interpret)
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        block_q=bq,
+        block_k=bk,
+        interpret=interpret_default(interpret),
+        platform=platform,
     )
 
 

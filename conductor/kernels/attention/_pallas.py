@@ -1,5 +1,8 @@
 """Flash attention forward and backward as Pallas kernels (same math as ``_xla``).
 
+Integer division is ``lax.div`` (operands are never negative): ``//`` on jax
+integers lowers through ``sign``, which Mosaic TPU only lowers on a real TPU.
+
 Grid (batch, head, query block) for the forward and for dQ, (batch, head, key
 block) for dK/dV; K/V blocks of query head h come from kv head h // G (GQA).
 Each program keeps one (block_q, block_k) score tile; the only residual of
@@ -16,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from conductor.kernels._common import compiler_params
+
 _MASK = -1e30
 
 
@@ -24,7 +29,7 @@ def _tile_scores(q, k, i, j, bq, bk, scale, causal):
     if causal:
         rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
         cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-        s = jnp.where(rows >= cols, s, _MASK)
+        s = lax.select(rows >= cols, s, jnp.full_like(s, _MASK))  # lax.select: no jit inside the kernel
     return s
 
 
@@ -55,7 +60,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, b
     )
     o, m, norm = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, init)
     o_ref[...] = (o / norm[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(norm)
+    lse_ref[...] = (m + jnp.log(norm))[None]
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, bk):
@@ -68,10 +73,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         dk, dv = carry
         q = q_ref[pl.ds(i * bq, bq), :].astype(jnp.float32)
         do = do_ref[pl.ds(i * bq, bq), :].astype(jnp.float32)
-        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, causal) - lse_ref[pl.ds(i * bq, bq)][:, None])
+        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, causal) - lse_ref[0, pl.ds(i * bq, bq)][:, None])
         dv = dv + lax.dot_general(p, do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_ref[pl.ds(i * bq, bq)][:, None])
+        ds = p * (dp - delta_ref[0, pl.ds(i * bq, bq)][:, None])
         dk = dk + scale * lax.dot_general(ds, q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return dk, dv
 
@@ -86,7 +91,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
     nk = k_ref.shape[0] // bk
     q = q_ref[...].astype(jnp.float32)
     do = do_ref[...].astype(jnp.float32)
-    lse, delta = lse_ref[...], delta_ref[...]
+    lse, delta = lse_ref[0], delta_ref[0]
 
     def body(j, dq):
         k = k_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
@@ -104,15 +109,15 @@ def _specs(t, s, d, groups, bq, bk):
     """BlockSpecs over (B, H, T, D) query-side and (B, Hkv, S, D) key-side arrays."""
     q_blk = pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0))
     q_all = pl.BlockSpec((None, None, t, d), lambda b, h, i: (b, h, 0, 0))
-    k_blk = pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, h // groups, j, 0))
-    k_all = pl.BlockSpec((None, None, s, d), lambda b, h, i: (b, h // groups, 0, 0))
-    row_blk = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
-    row_all = pl.BlockSpec((None, None, t), lambda b, h, i: (b, h, 0))
+    k_blk = pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, lax.div(h, groups), j, 0))
+    k_all = pl.BlockSpec((None, None, s, d), lambda b, h, i: (b, lax.div(h, groups), 0, 0))
+    row_blk = pl.BlockSpec((None, None, 1, bq), lambda b, h, i: (b, h, 0, i))  # (B, H, 1, T) rows
+    row_all = pl.BlockSpec((None, None, 1, t), lambda b, h, i: (b, h, 0, 0))
     kq_blk = pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, h, j, 0))  # per-query-head dK/dV
     return q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk
 
 
-def _fwd(q, k, v, causal, scale, bq, bk, interpret):
+def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform):
     b, h, t, d = q.shape
     s, groups = k.shape[2], h // k.shape[1]
     q_blk, _, _, k_all, row_blk, _, _ = _specs(t, s, d, groups, bq, bk)
@@ -121,18 +126,19 @@ def _fwd(q, k, v, causal, scale, bq, bk, interpret):
         grid=(b, h, t // bq),
         in_specs=[q_blk, k_all, k_all],
         out_specs=[q_blk, row_blk],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32)],
         interpret=interpret,
+        compiler_params=compiler_params(platform),
         name="conductor_flash_fwd",
     )(q, k, v)
 
 
-def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret):
+def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform):
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     groups = h // hkv
     q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk = _specs(t, s, d, groups, bq, bk)
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # (B, H, T)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)[:, :, None]  # (B, H, 1, T)
     dk, dv = pl.pallas_call(
         partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
         grid=(b, h, s // bk),
@@ -140,6 +146,7 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret):
         out_specs=[kq_blk, kq_blk],
         out_shape=[jax.ShapeDtypeStruct((b, h, s, d), k.dtype), jax.ShapeDtypeStruct((b, h, s, d), v.dtype)],
         interpret=interpret,
+        compiler_params=compiler_params(platform),
         name="conductor_flash_dkdv",
     )(q, k, v, do, lse, delta)
     dq = pl.pallas_call(
@@ -149,6 +156,7 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret):
         out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
+        compiler_params=compiler_params(platform),
         name="conductor_flash_dq",
     )(q, k, v, do, lse, delta)
     dk = dk.reshape(b, hkv, groups, s, d).sum(2)
@@ -156,25 +164,27 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret):
     return dq, dk, dv
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _flash(q, k, v, causal, scale, bq, bk, interpret):
-    return _fwd(q, k, v, causal, scale, bq, bk, interpret)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _flash(q, k, v, causal, scale, bq, bk, interpret, platform):
+    return _fwd(q, k, v, causal, scale, bq, bk, interpret, platform)[0]
 
 
-def _flash_fwd(q, k, v, causal, scale, bq, bk, interpret):
-    o, lse = _fwd(q, k, v, causal, scale, bq, bk, interpret)
+def _flash_fwd(q, k, v, causal, scale, bq, bk, interpret, platform):
+    o, lse = _fwd(q, k, v, causal, scale, bq, bk, interpret, platform)
     return o, (q, k, v, o, lse)
 
 
-def _flash_bwd(causal, scale, bq, bk, interpret, residuals, do):
+def _flash_bwd(causal, scale, bq, bk, interpret, platform, residuals, do):
     q, k, v, o, lse = residuals
-    return _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret)
+    return _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def attention_pallas(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool):
+def attention_pallas(
+    q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool, platform: str | None = None
+):
     """Pallas flash attention on (batch, seq, heads, head_dim) arrays; K/V may have fewer heads (GQA)."""
     o = _flash(
         q.transpose(0, 2, 1, 3),
@@ -185,5 +195,6 @@ def attention_pallas(q, k, v, *, causal: bool, scale: float, block_q: int, block
         block_q,
         block_k,
         interpret,
+        platform,
     )
     return o.transpose(0, 2, 1, 3)

@@ -36,6 +36,7 @@ def selective_scan(
     block_sizes: ScanBlockSizes | None = None,
     implementation: Implementation = "pallas",
     interpret: bool | None = None,
+    platform: str | None = None,
 ):
     """y_t = h_t C_tᵀ with h_t = exp(Δ_t ⊗ A) ⊙ h_{t−1} + v_t ⊗ B_t, h_0 = 0, without (B, T, D, N) tensors.
 
@@ -46,6 +47,7 @@ def selective_scan(
       block_sizes: chunk length (must divide seq) and d_inner block (must divide d_inner).
       implementation: ``"pallas"``, ``"xla_chunked"`` or ``"reference"``.
       interpret: run Pallas in interpret mode; default: on the CPU backend.
+      platform: the platform Pallas lowers for (``"tpu"``, ``"cuda"``); default the local backend.
     Returns:
       y: (batch, seq, d_inner), differentiable in every input.
     Raises:
@@ -65,7 +67,9 @@ def selective_scan(
         raise ValueError(f"chunk {chunk} must divide seq {seq} and block_d {block_d} must divide d_inner {d}")
     if implementation == "xla_chunked":
         return selective_scan_xla_chunked(dt, a, v, b, c, chunk=chunk)
-    return selective_scan_pallas(dt, a, v, b, c, chunk=chunk, block_d=block_d, interpret=interpret_default(interpret))
+    return selective_scan_pallas(
+        dt, a, v, b, c, chunk=chunk, block_d=block_d, interpret=interpret_default(interpret), platform=platform
+    )
 
 
 __all__ = ["ScanBlockSizes", "selective_scan", "selective_scan_reference"]

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+
+from conductor.kernels._common import compiler_params
 
 
 def _col(x_row):  # (1, bd) → (bd, 1)
@@ -110,7 +111,7 @@ def _specs(seq, n, bd, n_chunks):
     return row_d, row_n, a_spec, hb_spec
 
 
-def _fwd(dt, a, v, b, c, chunk, bd, interpret):
+def _fwd(dt, a, v, b, c, chunk, bd, interpret, platform):
     batch, seq, d = dt.shape
     n, n_chunks = a.shape[1], seq // chunk
     row_d, row_n, a_spec, hb_spec = _specs(seq, n, bd, n_chunks)
@@ -124,52 +125,55 @@ def _fwd(dt, a, v, b, c, chunk, bd, interpret):
             jax.ShapeDtypeStruct((batch, n_chunks, d, n), jnp.float32),
         ],
         interpret=interpret,
+        compiler_params=compiler_params(platform),
         name="conductor_scan_fwd",
     )(dt, a, v, b, c)
 
 
-def _bwd(dt, a, v, b, c, hb, dy, chunk, bd, interpret):
+def _bwd(dt, a, v, b, c, hb, dy, chunk, bd, interpret, platform):
     batch, seq, d = dt.shape
     n, n_chunks, n_dblocks = a.shape[1], seq // chunk, d // bd
     row_d, row_n, a_spec, hb_spec = _specs(seq, n, bd, n_chunks)
     partial_n = pl.BlockSpec((None, None, seq, n), lambda i, j: (i, j, 0, 0))  # (B, D/bd, T, N)
     da_spec = pl.BlockSpec((None, bd, n), lambda i, j: (i, j, 0))  # (B, D, N)
-    ddt, da, dv, db, dc = pl.pallas_call(
+    states_spec = pl.BlockSpec((None, None, chunk, bd, n), lambda i, j: (i, j, 0, 0, 0))
+    ddt, da, dv, db, dc, _ = pl.pallas_call(
         partial(_backward_kernel, chunk=chunk),
         grid=(batch, n_dblocks),
         in_specs=[row_d, a_spec, row_d, row_n, row_n, hb_spec, row_d],
-        out_specs=[row_d, da_spec, row_d, partial_n, partial_n],
+        out_specs=[row_d, da_spec, row_d, partial_n, partial_n, states_spec],
         out_shape=[
             jax.ShapeDtypeStruct(dt.shape, dt.dtype),
             jax.ShapeDtypeStruct((batch, d, n), jnp.float32),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct((batch, n_dblocks, seq, n), jnp.float32),
             jax.ShapeDtypeStruct((batch, n_dblocks, seq, n), jnp.float32),
+            jax.ShapeDtypeStruct((batch, n_dblocks, chunk, bd, n), jnp.float32),  # one chunk's states
         ],
-        scratch_shapes=[pltpu.VMEM((chunk, bd, n), jnp.float32)],
         interpret=interpret,
+        compiler_params=compiler_params(platform),
         name="conductor_scan_bwd",
     )(dt, a, v, b, c, hb, dy)
     return ddt, da.sum(0).astype(a.dtype), dv, db.sum(1).astype(b.dtype), dc.sum(1).astype(c.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _scan(dt, a, v, b, c, chunk, bd, interpret):
-    return _fwd(dt, a, v, b, c, chunk, bd, interpret)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _scan(dt, a, v, b, c, chunk, bd, interpret, platform):
+    return _fwd(dt, a, v, b, c, chunk, bd, interpret, platform)[0]
 
 
-def _scan_fwd(dt, a, v, b, c, chunk, bd, interpret):
-    y, hb = _fwd(dt, a, v, b, c, chunk, bd, interpret)
+def _scan_fwd(dt, a, v, b, c, chunk, bd, interpret, platform):
+    y, hb = _fwd(dt, a, v, b, c, chunk, bd, interpret, platform)
     return y, (dt, a, v, b, c, hb)
 
 
-def _scan_bwd(chunk, bd, interpret, residuals, dy):
-    return _bwd(*residuals, dy, chunk, bd, interpret)
+def _scan_bwd(chunk, bd, interpret, platform, residuals, dy):
+    return _bwd(*residuals, dy, chunk, bd, interpret, platform)
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
 
 
-def selective_scan_pallas(dt, a, v, b, c, *, chunk: int, block_d: int, interpret: bool):
+def selective_scan_pallas(dt, a, v, b, c, *, chunk: int, block_d: int, interpret: bool, platform: str | None = None):
     """Pallas selective scan; shapes as :func:`selective_scan_reference`."""
-    return _scan(dt, a, v, b, c, chunk, block_d, interpret)
+    return _scan(dt, a, v, b, c, chunk, block_d, interpret, platform)
