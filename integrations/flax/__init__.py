@@ -1,6 +1,7 @@
 """JAX/Flax integration: capture a training step into Orchestrator's op-graph."""
 
 from integrations.flax._capture import CaptureWarning, capture, is_param_path, param_logical_axes, parse_name_stack
+from integrations.flax._orchestrate import OrchestratedTrainState, orchestrate
 from integrations.flax._pipeline import Pipeline, cut_stages
 from integrations.flax._profile import profile_layers
 from integrations.flax._shard import shard, stage_mesh, state_shardings
@@ -10,6 +11,7 @@ from integrations.flax._xla import XlaFlops, XlaProgram, hlo_collective_bytes, x
 
 __all__ = [
     "CaptureWarning",
+    "OrchestratedTrainState",
     "Pipeline",
     "SlicedStep",
     "XlaFlops",
@@ -19,6 +21,7 @@ __all__ = [
     "cut_stages",
     "hlo_collective_bytes",
     "is_param_path",
+    "orchestrate",
     "param_logical_axes",
     "parse_name_stack",
     "profile_layers",

@@ -10,6 +10,7 @@ import typer
 
 from orchestrator.cli._bench import bench_app
 from orchestrator.cli._cluster import cluster_app
+from orchestrator.cli._executor import demo_command
 from orchestrator.cli._graph import graph_command
 from orchestrator.cli._plan import plan_command
 from orchestrator.cli._profile import profile_command
@@ -29,6 +30,7 @@ app.command("plan")(plan_command)
 app.command("simulate")(simulate_command)
 app.command("report")(report_command)
 app.add_typer(bench_app, name="bench")
+app.command("demo")(demo_command)  # orchestrator.cli._executor imports jax only inside the command
 
 
 @app.callback()

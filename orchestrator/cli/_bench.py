@@ -167,3 +167,14 @@ def planner(
             f"speedup over Alpa-style on mixed clusters: median {statistics.median(speedups):.3f}×, "
             f"min {min(speedups):.3f}×, max {max(speedups):.3f}× ({len(speedups)} instances)"
         )
+
+
+@bench_app.command("executor")
+def executor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...], ranking: [...]}.")] = False,
+    quick: Annotated[bool, typer.Option(help="Tiny GPT parity and collectives only.")] = False,
+) -> None:
+    """Executed plans: parity with one device, collectives and stage times vs the cost model, step-time ranking."""
+    from orchestrator.cli._executor import bench_executor_command
+
+    bench_executor_command(as_json=as_json, quick=quick)
