@@ -88,7 +88,11 @@ def apply(
 
     Call it before any tensor is placed on an XLA device: it switches
     torch_xla to SPMD mode (``torch_xla.runtime.use_spmd()``), moves the module
-    to the XLA device and repoints ``optimizer`` at the moved parameters.
+    to the XLA device and repoints ``optimizer`` at the moved parameters. If
+    the process runs a backward pass before (eager CPU training,
+    :func:`~integrations.torch_xla.capture`), start the XLA runtime first
+    (``torch_xla.runtime.use_spmd(); torch_xla.runtime.global_runtime_device_count()``):
+    the autograd engine sizes its per-device queues at the first backward pass.
 
     Args:
       plan: a one-stage plan (``orchestrator.planner.Plan``) whose stage has
@@ -157,7 +161,16 @@ def apply(
             micro = [_to_mesh(t, device, mesh, xs) for t in micro]
             out = module(*micro[:-1]) if loss_fn is not None else module(*micro)
             loss = (loss_fn(out, micro[-1]) if loss_fn is not None else out) / plan.microbatches
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as error:
+                if "device_ready_queues_" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "the autograd engine started before the XLA runtime: call "
+                    "torch_xla.runtime.use_spmd() and torch_xla.runtime.global_runtime_device_count() "
+                    "before the first backward pass of the process (eager training or capture)"
+                ) from None
             total = loss.detach() if total is None else total + loss.detach()
         optimizer.step()
         torch_xla.sync()

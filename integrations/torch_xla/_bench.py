@@ -217,6 +217,7 @@ def run(
                 "reference_losses": ref_losses,
                 "loss_rel_err": loss_err,
                 "param_rel_err": param_errs[worst],
+                "param_rel_err_by_tensor": param_errs,
                 "worst_param": worst,
                 "param_rel_err_global": (delta / norm) ** 0.5,
                 "zero": zero,

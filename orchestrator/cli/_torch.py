@@ -31,15 +31,15 @@ def checks(result: dict) -> list[dict]:
     cap = result.get("capture")
     if cap:
         for metric, ours, theirs in (
-            ("FLOPs vs Flax capture", cap["torch_flops"], cap["flax_flops"]),
-            ("matmul FLOPs vs torch flop_counter", cap["torch_matmul_flops"], cap["flop_counter_flops"]),
+            ("FLOPs vs Flax", cap["torch_flops"], cap["flax_flops"]),
+            ("matmul FLOPs vs flop_counter", cap["torch_matmul_flops"], cap["flop_counter_flops"]),
         ):
             rows.append(_row("capture", metric, ours, theirs, ours / theirs - 1, FLOPS_TOLERANCE))
         same = [layer[2] for layer in cap["layers"]] == [layer[2] for layer in cap["flax_layers"]]
         rows.append(
             _row(
                 "capture",
-                "layers (param bytes each) equal Flax's",
+                "layers = Flax's",
                 len(cap["layers"]),
                 len(cap["flax_layers"]),
                 0.0 if same else 1.0,
@@ -47,30 +47,28 @@ def checks(result: dict) -> list[dict]:
             )
         )
     for config in result["configs"]:
-        name = config["name"]
+        name = config["name"].split()[1]  # "gpt-tiny DPxTP (dp=2, tp=2), ..." → "DPxTP"
         rows.append(
             _row(
                 name,
-                "loss rel. error (max over steps)",
+                "loss rel. err",
                 config["losses"][-1],
                 config["reference_losses"][-1],
                 config["loss_rel_err"],
                 LOSS_TOLERANCE,
             )
         )
-        rows.append(_row(name, "parameter rel. L2 error", None, None, config["param_rel_err_global"], PARAM_TOLERANCE))
+        rows.append(_row(name, "param rel. L2 err", None, None, config["param_rel_err_global"], PARAM_TOLERANCE))
         measured = config["hlo_collective_bytes"]
         predicted = config["predicted_all_reduce_bytes"]
         if config.get("zero"):
             kinds = ", ".join(f"{k} {v}" for k, v in measured.items() if v)
-            rows.append(
-                _row(name, f"collective bytes in HLO (info): {kinds}", predicted, sum(measured.values()), None, None)
-            )
+            rows.append(_row(name, f"collectives: {kinds}", predicted, sum(measured.values()), None, None))
             continue
         rows.append(
             _row(
                 name,
-                "all-reduce bytes (planner vs HLO)",
+                "all-reduce bytes",
                 predicted,
                 measured["all-reduce"],
                 predicted / measured["all-reduce"] - 1 if measured["all-reduce"] else float("inf"),
@@ -81,7 +79,7 @@ def checks(result: dict) -> list[dict]:
         rows.append(
             _row(
                 name,
-                "other collective bytes (planner vs HLO)",
+                "other collectives",
                 0,
                 others,
                 0.0 if others == 0 else float("inf"),
@@ -157,7 +155,7 @@ def torch_command(
         sys.stdout.write("\n")
     else:
         table = Table(title=f"torch_xla path: {preset}, batch {batch}×{seq}, {steps} AdamW steps, 4 CPU devices")
-        for column in ("case", "metric", "predicted / ours", "measured / reference", "error", "tolerance", "ok"):
+        for column in ("case", "metric", "ours / planner", "reference / HLO", "error", "tol.", "ok"):
             table.add_column(column)
         for r in rows:
             table.add_row(
