@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Annotated
@@ -21,9 +22,12 @@ def plan_command(
     max_stages: Annotated[int, typer.Option(min=1, help="Largest number of pipeline stages to consider.")] = 4,
     time_limit_s: Annotated[float, typer.Option(min=0.1, help="Solver time budget.")] = 60.0,
     output: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
+    trace: Annotated[
+        str | None, typer.Option("--trace", help="Simulate the plan and write a Perfetto trace (JSON) here.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Plan a recipe's training step on a cluster (work in progress: see issue 4 in the README)."""
+    """Plan a recipe's training step on a cluster: stages, devices, TP/DP, microbatches, with a certified gap."""
     from integrations.flax import capture
     from orchestrator.cluster import ClusterError, load_cluster
     from orchestrator.coarsen import coarsen
@@ -52,8 +56,13 @@ def plan_command(
             )
         except PlanInfeasible as error:
             fail(str(error))
+    result = dataclasses.replace(result, source={"recipe": recipe, "cluster": cluster, "seq": seq})
     if output:
         result.save(output)
+    if trace:
+        from orchestrator.simulate import simulate, write_trace
+
+        write_trace(simulate(result, model), trace)
     if as_json:
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")

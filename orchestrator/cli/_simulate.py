@@ -74,6 +74,9 @@ def _simulate(plan_file: str, recipe, cluster, seq, blocking_p2p: bool, no_sync_
     from orchestrator.simulate import simulate
 
     plan = _load(plan_file)
+    if recipe is None and cluster is None and plan.source.get("recipe") and plan.source.get("cluster"):
+        recipe, cluster = plan.source["recipe"], plan.source["cluster"]
+        seq = seq or plan.source.get("seq")
     model = _model(recipe, cluster, seq)
     try:
         timeline = simulate(plan, model, overlap_p2p=not blocking_p2p, overlap_dp_sync=not no_sync_overlap)

@@ -22,7 +22,8 @@ class Stage:
     Attributes:
       layers: indices of its (contiguous) layers.
       device_type: the type of all its devices.
-      devices: device refs (``host/index``), tp·dp of them.
+      devices: device refs (``host/index``), tp·dp of them, replica-major: data-parallel
+        replica r is ``devices[r·tp:(r+1)·tp]``, one tensor-parallel group inside one host.
       tp, dp: tensor- and data-parallel degrees.
       recompute: whether it recomputes its forward pass in the backward pass.
       microbatch_size: samples per microbatch on each data-parallel replica.
@@ -66,6 +67,8 @@ class Plan:
       iteration_s: predicted step time; ``breakdown`` splits it.
       solver, status, objective, bound, gap, solve_s: how the plan was found.
       notes: which constraints bind and why each stage sits where it does.
+      source: what the plan was made for, when known (``recipe``, ``cluster``, ``seq``), so
+        ``orchestrator simulate`` and ``report`` can rebuild its cost model.
     """
 
     stages: tuple[Stage, ...]
@@ -81,6 +84,7 @@ class Plan:
     gap: float = 0.0
     solve_s: float = 0.0
     notes: tuple[str, ...] = ()
+    source: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         data = asdict(self)

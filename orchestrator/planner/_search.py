@@ -173,12 +173,13 @@ def plan(
         sub.build()
         built = time.perf_counter()
         warm = best is not None and best[3] == M and sub.set_start(best[1], best[2])
-        cutoff = None if best is None or warm else best[0].iteration_s * MS * (1 + 1e-9)
+        if best is not None and not warm:
+            # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
+            sub.lp += sub.lp.objective <= best[0].iteration_s * MS * (1 - 1e-9), "better_than_incumbent"
         result = solve(
             sub.lp,
             time_limit_s=max(0.2, remaining / (len(candidates) - index)),
             gap=gap,
-            objective_cutoff=cutoff,
             use_start=warm,
         )
         log.debug(
