@@ -125,6 +125,18 @@ def undominated(groups: list[GroupConfig], runs: list[Run], table: CostTable, mi
     return kept
 
 
+def simple_bound_s(runs: list[Run], groups: list[GroupConfig], table: CostTable, infos, microbatches: int) -> float:
+    """A lower bound on the step time at M microbatches that needs no solve (seconds): the
+    capacity cut alone, M·T ≥ M · Σ_r n_r · min_g size_g·τ(r,g) / N (every layer's cheapest
+    device-seconds spread perfectly over all N devices)."""
+    valid = [g for g in groups if table.microbatch(g, microbatches) is not None]
+    if not valid:
+        return math.inf
+    devices = sum(info.devices for info in infos.values())
+    work = sum(run.count * min(g.size * table.entry(run.first, g, microbatches).time_s for g in valid) for run in runs)
+    return microbatches * work / devices
+
+
 class StageModel:
     """The ILP above for one microbatch count M and at most J stages."""
 
@@ -342,17 +354,7 @@ class StageModel:
         return self
 
     def simple_bound_s(self) -> float:
-        """A lower bound on this M's step time that needs no solve (seconds): the capacity cut
-        alone, M·T ≥ M · Σ_r n_r · min_g size_g·τ(r,g) / N (every layer's cheapest device-seconds
-        spread perfectly over all N devices)."""
-        if not self.groups:
-            return math.inf
-        devices = sum(info.devices for info in self.infos.values())
-        work = sum(
-            run.count * min(g.size * self.entry(r, i).time_s for i, g in enumerate(self.groups))
-            for r, run in enumerate(self.runs)
-        )
-        return self.M * work / devices
+        return simple_bound_s(self.runs, self.groups, self.table, self.infos, self.M)
 
     def set_start(self, stages: list[list[int]], groups: list[GroupConfig]) -> bool:
         """Give every variable the value of a known plan (a starting incumbent for the solver).

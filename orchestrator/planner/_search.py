@@ -18,7 +18,7 @@ from orchestrator.costs import CostModel
 from orchestrator.planner._diagnose import binding_notes, infeasibility_message
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig, TypeInfo, group_configs, pair_links, type_infos
-from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs
+from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs, simple_bound_s
 from orchestrator.planner._plan import Plan, PlanInfeasible, Stage
 from orchestrator.planner._table import CostTable
 from orchestrator.solver import highs_available, solve
@@ -158,6 +158,9 @@ def plan(
         )
     for index, M in enumerate(candidates):
         remaining = time_limit_s - (time.perf_counter() - started)
+        if remaining <= 0 and best is not None:  # out of time: this M keeps only its solve-free bound
+            lower = min(lower, simple_bound_s(space.runs, space.groups, space.table, space.infos, M))
+            continue
         sub = StageModel(
             runs=space.runs,
             max_stages=max_stages,
