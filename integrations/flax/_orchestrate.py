@@ -59,17 +59,16 @@ class OrchestratedTrainState:
             self.callbacks.on_train_end(state=self.state)
 
 
-def _conductor(train_step: Callable, state, batch) -> Callable:
+def _conductor(train_step: Callable, policy) -> Callable:
+    """``train_step`` with the conductor's kernel rewrites (imported lazily: the conductor is optional)."""
     try:
         import conductor
     except ImportError:
         conductor = None
     optimize = getattr(conductor, "optimize", None)
     if optimize is None:
-        raise NotImplementedError(
-            "conductor=True needs conductor.optimize (issue 6), which does not exist yet; use conductor=False"
-        )
-    return optimize(train_step, state, batch)
+        raise NotImplementedError("conductor=True needs conductor.optimize (issue 6), which is not installed here")
+    return optimize(train_step, policy=None if policy is True else policy)
 
 
 def orchestrate(
@@ -81,7 +80,7 @@ def orchestrate(
     param_axes: Mapping | None = None,
     plan=None,
     callbacks: Iterable[Callback] = (),
-    conductor: bool = False,
+    conductor=False,
     profile: bool = True,
     max_stages: int | None = None,
     time_limit_s: float = 10.0,
@@ -98,7 +97,8 @@ def orchestrate(
       param_axes: logical axis names by parameter path (``Recipe.param_axes()``); enables tensor parallelism.
       plan: execute this plan instead of planning.
       callbacks: run around every step.
-      conductor: rewrite the step with :mod:`conductor` kernels first (needs ``conductor.optimize``).
+      conductor: rewrite the step with :mod:`conductor` kernels first (``conductor.optimize``): True for
+        the default policy, or a ``conductor.Policy``.
       profile: time the layers on the local device and use those times (``local`` cluster only).
       max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`.
       zero: shard optimizer moments over data-parallel replicas.
@@ -107,7 +107,7 @@ def orchestrate(
       An :class:`OrchestratedTrainState`; call ``.step(batch)`` in the loop.
 
     Raises:
-      NotImplementedError: ``conductor=True`` before the conductor exists.
+      NotImplementedError: ``conductor`` asked for but the conductor package is absent.
 
     Example:
       >>> run = orchestrate(state, train_step, "local", batch=batch, param_axes=recipe.param_axes())  # doctest: +SKIP
@@ -122,7 +122,7 @@ def orchestrate(
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     if conductor:
-        train_step = _conductor(train_step, abstract, spec)
+        train_step = _conductor(train_step, conductor)
     graph = capture(train_step, abstract, spec)
     layers = coarsen(graph)
     global_batch = {x.shape[0] for x in jax.tree.leaves(spec)}
