@@ -21,7 +21,12 @@ once is slowed by max(1, k / c), and the simulated step is
 
 the second term being the whole step's device-seconds spread over c cores
 (F, B: forward and backward with TP all-reduces per microbatch, U: optimizer
-update and gradient sync, all at single-device speed).
+update and gradient sync, all at single-device speed). The host dispatches
+every program and transfer from one Python thread, on the same cores: with
+D dispatches per step (counted on the executor: 3 for a single-stage step,
+dozens for a pipeline) costing d each (measured: a tiny jitted call),
+
+    step = max( replay,  D·d,  (Σ_s k_s · (M · (F_s + B_s) + U_s) + D·d) / c )
 """
 
 from __future__ import annotations
@@ -107,7 +112,27 @@ def predicted_stage_seconds(plan, su: Setup) -> list[float]:
     ]
 
 
-def simulated_step_s(plan, su: Setup) -> float:
+def dispatch_overhead_s(repeats: int = 50) -> float:
+    """Median host time of dispatching one small jitted program and one small transfer (half each)."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharding = NamedSharding(mesh, P("data"))
+    fn = jax.jit(lambda x: x + 1)
+    x = jax.device_put(np.zeros((2, 8), np.float32), sharding)
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        y = fn(jax.device_put(np.zeros((2, 8), np.float32), sharding))
+        times.append((time.perf_counter() - start) / 2)
+        jax.block_until_ready(y)
+    return statistics.median(times)
+
+
+def simulated_step_s(plan, su: Setup, *, dispatches: int = 3, dispatch_s: float = 0.0) -> float:
     """Predicted step time on the shared-core host (see module docstring)."""
     from integrations.callbacks._report import schedule_trace
 
@@ -129,25 +154,37 @@ def simulated_step_s(plan, su: Setup) -> float:
         busy += len(stage.devices) * (plan.microbatches * (f + b) + u)
     replay = schedule_trace(dataclasses.replace(plan, stages=tuple(timed)))
     makespan = max(e["ts"] + e["dur"] for e in replay["traceEvents"] if e["ph"] == "X") / 1e6
-    return max(makespan, busy / su.cores)
+    host = dispatches * dispatch_s
+    return max(makespan, host, (busy + host) / su.cores)
 
 
-def measured_step_s(plan, su: Setup, *, steps: int = 7, warmup: int = 2) -> float:
-    """Median wall time of a training step under ``plan`` (after ``warmup`` steps)."""
+def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> list[tuple[float, int]]:
+    """Per plan: (median wall time of a training step, host dispatches per step).
+
+    The plans take turns, one step each per round, so that load from other
+    processes on the machine falls on all of them alike.
+    """
+    from integrations.flax._pipeline import Pipeline
     from integrations.flax._shard import shard
     from integrations.flax._step import compile_step
 
-    layers = su.layers if len(plan.stages) > 1 else None
-    placed = shard(plan, su.state, param_axes=su.axes, layers=layers)
-    step = compile_step(plan, su.recipe.train_step, placed, param_axes=su.axes, layers=layers)
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        placed, metrics = step(placed, su.batch)
-        jax.block_until_ready((placed, metrics))
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    runs = []
+    for plan in plans:
+        layers = su.layers if len(plan.stages) > 1 else None
+        placed = shard(plan, su.state, param_axes=su.axes, layers=layers)
+        runs.append([compile_step(plan, su.recipe.train_step, placed, param_axes=su.axes, layers=layers), placed])
+    times: list[list[float]] = [[] for _ in plans]
+    for r in range(warmup + rounds):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run[1], metrics = run[0](run[1], su.batch)
+            jax.block_until_ready((run[1], metrics))
+            if r >= warmup:
+                times[i].append(time.perf_counter() - start)
+    return [
+        (statistics.median(t), run[0].dispatches if isinstance(run[0], Pipeline) else 1 + len(su.batch))
+        for t, run in zip(times, runs)
+    ]
 
 
 def measured_stage_seconds(plan, su: Setup, *, repeats: int = 7) -> list[float]:
@@ -250,14 +287,20 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES) -> list[dict]:
 
 
 def ranking_case(su: Setup, progress=None, *, plans=RANK_PLANS) -> tuple[dict, list[dict]]:
-    rows = []
-    for plan_name in plans:
-        if progress:
-            progress(f"step time {su.recipe.name} {plan_name}")
-        plan = check_plan(plan_name, global_batch=su.batch["inputs"].shape[0])
-        rows.append(
-            {"plan": plan_name, "measured_s": measured_step_s(plan, su), "simulated_s": simulated_step_s(plan, su)}
-        )
+    if progress:
+        progress(f"step times {su.recipe.name}, {len(plans)} plans")
+    built = [check_plan(name, global_batch=su.batch["inputs"].shape[0]) for name in plans]
+    measured = measured_step_s(built, su)
+    dispatch_s = dispatch_overhead_s()
+    rows = [
+        {
+            "plan": name,
+            "measured_s": seconds,
+            "simulated_s": simulated_step_s(plan, su, dispatches=dispatches, dispatch_s=dispatch_s),
+            "dispatches": dispatches,
+        }
+        for name, plan, (seconds, dispatches) in zip(plans, built, measured)
+    ]
     tau = kendall_tau([r["measured_s"] for r in rows], [r["simulated_s"] for r in rows])
     case = _case(f"{su.recipe.name} {len(rows)} plans", "Kendall tau measured vs simulated", tau >= 0.8, tau=tau)
     return case, rows

@@ -233,6 +233,7 @@ class Pipeline:
         self.owners = param_owners(plan, layers)
         self._built: dict[str, tuple] = {}
         self._record: list | None = None  # (stage, "forward" | "backward" | "update", jitted, args)
+        self.dispatches = 0
         # Per state leaf: the stage owning it (a parameter or its optimizer moments), None if shared.
         self.leaf_owner = [None if name is None else self.owners[name] for name, _ in leaf_params(state)]
         self._updates = [self._update_fn(s) for s in range(len(plan.stages))]
@@ -436,6 +437,16 @@ class Pipeline:
             self._built[key] = self._build(state, batch)
         micro, programs, fns = self._built[key]
         plan, n, m = self.plan, len(self.plan.stages), self.plan.microbatches
+        self.dispatches = 0  # host → device calls this step: jitted programs and transfers
+
+        def put(*args, **kwargs):
+            self.dispatches += 1
+            return jax.device_put(*args, **kwargs)
+
+        def call(fn, *args):
+            self.dispatches += 1
+            return fn(*args)
+
         batch_leaves = jax.tree.leaves(batch)
         flat_state, treedef = jax.tree_util.tree_flatten(state)
         params = {
@@ -451,7 +462,7 @@ class Pipeline:
             for kind in p.inputs:
                 if kind[0] == "param" and kind[1] not in placed:
                     leaf = params[kind[1]]
-                    placed[kind[1]] = jax.device_put(leaf, self.param_sharding(p.index, kind[1], leaf.shape))
+                    placed[kind[1]] = put(leaf, self.param_sharding(p.index, kind[1], leaf.shape))
             stage_params.append(placed)
 
         acts: dict[tuple[int, int, object], jax.Array] = {}  # (consumer stage, microbatch, key) → array
@@ -470,7 +481,7 @@ class Pipeline:
                     out.append(stage_params[s][kind[1]])
                 elif kind[0] == "batch":
                     leaf = batch_leaves[kind[1]][mb * micro : (mb + 1) * micro]
-                    out.append(jax.device_put(leaf, self.act_sharding(s, leaf, micro)))
+                    out.append(put(leaf, self.act_sharding(s, leaf, micro)))
                 else:
                     out.append(acts[(s, mb, kind[2])])
             return out
@@ -481,17 +492,17 @@ class Pipeline:
             if mb == 0:
                 self._note(s, "forward", f["forward"], (args,))
             if f["recompute"]:
-                outs = f["forward"](args)
+                outs = call(f["forward"], args)
                 residuals[(s, mb)] = args
             else:
-                outs, vjp = f["forward"](args)
+                outs, vjp = call(f["forward"], args)
                 residuals[(s, mb)] = vjp
             for key, value in zip(p.outputs, outs):
                 if key == "loss":
                     losses.append(value)
                     continue
                 for t in p.consumers[key]:
-                    acts[(t, mb, key)] = jax.device_put(value, self.act_sharding(t, value, micro))
+                    acts[(t, mb, key)] = put(value, self.act_sharding(t, value, micro))
             if not f["recompute"]:
                 for kind in p.inputs:  # activations read only through the residuals from now on
                     if kind[0] == "act":
@@ -503,28 +514,28 @@ class Pipeline:
             for key, aval in zip(p.outputs, f["out_avals"]):
                 if key == "loss":
                     seed = np.full(aval.shape, 1.0 / m, aval.dtype)
-                    out_cts.append(jax.device_put(seed, NamedSharding(self.meshes[s], P())))
+                    out_cts.append(put(seed, NamedSharding(self.meshes[s], P())))
                 else:
                     out_cts.append(cts.pop((s, mb, key)))
             saved = residuals.pop((s, mb))
             acc = accumulated[s]
             if acc is None:
                 acc = [
-                    jax.device_put(np.zeros(p.closed.in_avals[i].shape, p.closed.in_avals[i].dtype), sharding)
+                    put(np.zeros(p.closed.in_avals[i].shape, p.closed.in_avals[i].dtype), sharding)
                     for i, sharding in zip(f["param_inputs"], param_shardings[s])
                 ]
             if mb == 0:
                 self._note(s, "backward", f["backward"], (saved, out_cts, acc))
-            accumulated[s], in_cts = f["backward"](saved, out_cts, acc)
+            accumulated[s], in_cts = call(f["backward"], saved, out_cts, acc)
             if f["recompute"]:
                 for kind in p.inputs:
                     if kind[0] == "act":
                         acts.pop((s, mb, kind[2]), None)
             for i, ct in zip(f["act_inputs"], in_cts):
                 _, producer, key = p.inputs[i]
-                ct = jax.device_put(ct, self.act_sharding(producer, ct, micro))
+                ct = put(ct, self.act_sharding(producer, ct, micro))
                 prev = cts.get((producer, mb, key))
-                cts[(producer, mb, key)] = ct if prev is None else _add(prev, ct)
+                cts[(producer, mb, key)] = ct if prev is None else call(_add, prev, ct)
 
         orders = schedule_order(n, m, plan.schedule)
         done: set[tuple[str, int, int]] = set()
@@ -559,12 +570,12 @@ class Pipeline:
                 if owner == s:
                     grads[s][path] = g
                 else:
-                    g = jax.device_put(g, self.param_sharding(owner, path, g.shape))
+                    g = put(g, self.param_sharding(owner, path, g.shape))
                     extra[owner].setdefault(path, []).append(g)
 
         new_leaves: list = [None] * len(flat_state)
         shared = {  # step counters, copied to every stage before any update donates them
-            (s, i): jax.device_put(leaf, NamedSharding(self.meshes[s], P()), may_alias=False)
+            (s, i): put(leaf, NamedSharding(self.meshes[s], P()), may_alias=False)
             for s in range(n)
             for i, leaf in enumerate(flat_state)
             if self.leaf_owner[i] is None
@@ -579,12 +590,12 @@ class Pipeline:
                 lambda path, leaf, s=s: (
                     (grads[s].get(param_path_name(path), None) if self.owners[param_path_name(path)] == s else None)
                     if self.owners[param_path_name(path)] != s or param_path_name(path) in grads[s]
-                    else jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+                    else put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
                 ),
                 state.params,
             )
             self._note(s, "update", self._updates[s], (masked_state, masked_grads, extra[s]))
-            updated = jax.tree_util.tree_leaves(self._updates[s](masked_state, masked_grads, extra[s]))
+            updated = jax.tree_util.tree_leaves(call(self._updates[s], masked_state, masked_grads, extra[s]))
             positions = [i for i in range(len(flat_state)) if self.leaf_owner[i] in (s, None)]
             for i, leaf in zip(positions, updated):
                 if self.leaf_owner[i] == s or s == 0:

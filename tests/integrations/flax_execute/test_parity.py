@@ -1,12 +1,20 @@
-"""Plans executed on the 8 virtual devices train exactly like one device (fp32)."""
+"""Plans executed on the 8 virtual devices train exactly like one device (fp32).
+
+Tiny GPT runs every check plan; tiny Mamba (no logical axis names, so TP
+shards none of its parameters) the two pipelines and DP2×TP4. The full
+matrix is ``orchestrator bench executor``.
+"""
 
 import pytest
 
 from integrations.flax._parity import PLAN_NAMES, check_plan, parity
 
+CASES = [("gpt-tiny", name) for name in PLAN_NAMES] + [
+    ("mamba-tiny", name) for name in ("DP2xTP4", "2 stages (3+1) x 4 mb", "4 stages TP 1/2/4/1")
+]
 
-@pytest.mark.parametrize("recipe", ["gpt-tiny", "mamba-tiny"])
-@pytest.mark.parametrize("plan_name", PLAN_NAMES)
+
+@pytest.mark.parametrize(("recipe", "plan_name"), CASES)
 def test_plan_trains_like_one_device(recipe, plan_name):
     result = parity(recipe, check_plan(plan_name, global_batch=16), steps=5)
     assert len(result.losses) == 5
