@@ -83,3 +83,269 @@ def max_abs_diff(x, y) -> float:
     return max(
         float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y))
     )
+
+
+def rel_diff(x, y) -> float:
+    """max |x − y| / max |y| over the leaves (the error on the scale of the values)."""
+    return max(
+        float(np.max(np.abs(np.asarray(p) - np.asarray(q))) / max(np.max(np.abs(np.asarray(q))), 1e-30))
+        for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y))
+    )
+
+
+def attention_memory_cases(seqs=(1024, 4096, 8192), progress=lambda name: None) -> list[Case]:
+    """Compiled temp memory of the attention training step, naive vs ``xla_chunked`` (compile only)."""
+    rows = []
+    for seq in seqs:
+        progress(f"attention memory T={seq}")
+        specs = attention_specs(seq)
+        sizes = AttentionBlockSizes(block_q=min(128, seq), block_k=min(128, seq))
+        naive = temp_bytes(attention_step("reference"), *specs)
+        chunked = temp_bytes(attention_step("xla_chunked", block_sizes=sizes), *specs)
+        rows.append((seq, naive, chunked))
+    cases = [
+        Case(
+            name=f"attention_memory_T{seq}",
+            ok=seq != 8192 or naive / chunked >= 32,
+            figures={
+                "naive_temp_bytes": naive,
+                "rewritten_temp_bytes": chunked,
+                "ratio": naive / chunked,
+                "target_ratio_at_max_T": 32,
+            },
+        )
+        for seq, naive, chunked in rows
+    ]
+    (t0, n0, c0), (t1, n1, c1) = rows[0], rows[-1]
+    growth = t1 / t0
+    cases.append(
+        Case(
+            name="attention_memory_growth",
+            ok=c1 / c0 <= 1.25 * growth and n1 / n0 >= 0.5 * growth**2,
+            figures={"seq_ratio": growth, "naive_growth": n1 / n0, "rewritten_growth": c1 / c0},
+        )
+    )
+    return cases
+
+
+def attention_numerics_cases(seq: int = 256, progress=lambda name: None) -> list[Case]:
+    """Pallas (interpreted on CPU) and ``xla_chunked`` vs the reference: forward ≤ 2e-6, gradients ≤ 1e-5."""
+    cases = []
+    sizes = AttentionBlockSizes(block_q=64, block_k=64)
+    for causal, heads, kv_heads, head_dim in (
+        (True, 4, 4, 64),
+        (False, 4, 2, 128),
+        (True, 4, 1, 128),
+        (False, 4, 4, 64),
+    ):
+        ks = jax.random.split(jax.random.key(seq + head_dim + kv_heads), 4)
+        q = jax.random.normal(ks[0], (1, seq, heads, head_dim))
+        k = jax.random.normal(ks[1], (1, seq, kv_heads, head_dim))
+        v = jax.random.normal(ks[2], (1, seq, kv_heads, head_dim))
+        w = jax.random.normal(ks[3], q.shape)
+        ref_out = attention(q, k, v, causal=causal, implementation="reference")
+        ref_grads = attention_step("reference", causal=causal)(q, k, v, w)
+        for impl in ("pallas", "xla_chunked"):
+            name = f"attention_numerics_{impl}_{'causal' if causal else 'full'}_h{heads}kv{kv_heads}_d{head_dim}"
+            progress(name)
+            out = attention(q, k, v, causal=causal, implementation=impl, block_sizes=sizes)
+            grads = jax.jit(attention_step(impl, causal=causal, block_sizes=sizes))(q, k, v, w)
+            fwd, bwd = max_abs_diff(out, ref_out), max_abs_diff(grads, ref_grads)
+            cases.append(
+                Case(
+                    name=name,
+                    ok=fwd <= 2e-6 and bwd <= 1e-5,
+                    figures={"seq": seq, "forward_max_abs_err": fwd, "grad_max_abs_err": bwd},
+                )
+            )
+    return cases
+
+
+def scan_cases(
+    batch=2, seq=4096, d_inner=256, d_state=16, repeats=5, min_ratio=16.0, progress=lambda name: None
+) -> list[Case]:
+    """Selective-scan training step: memory (≥ 16× less), CPU time (≤ 1.2×), equal outputs and gradients."""
+    xs = scan_inputs(batch, seq, d_inner, d_state)
+    sizes = ScanBlockSizes(chunk=min(64, seq), block_d=d_inner)
+    progress("scan memory")
+    written = temp_bytes(scan_step("reference"), *xs)
+    fused = temp_bytes(scan_step("xla_chunked", block_sizes=sizes), *xs)
+    ref, new = jax.jit(scan_step("reference")), jax.jit(scan_step("xla_chunked", block_sizes=sizes))
+    progress("scan time")
+    t_ref, t_new = [], []
+    for _ in range(repeats):  # interleaved, so load from other processes hits both alike
+        t_ref.append(median_seconds(ref, *xs, repeats=1))
+        t_new.append(median_seconds(new, *xs, repeats=1))
+    t_ref, t_new = statistics.median(t_ref), statistics.median(t_new)
+    y_ref = jax.jit(lambda *a: selective_scan(*a, implementation="reference"))(*xs[:5])
+    y_new = jax.jit(lambda *a: selective_scan(*a, implementation="xla_chunked", block_sizes=sizes))(*xs[:5])
+    g_ref, g_new = ref(*xs), new(*xs)
+    out_err, grad_err, grad_rel = max_abs_diff(y_new, y_ref), max_abs_diff(g_new, g_ref), rel_diff(g_new, g_ref)
+    shape = {"batch": batch, "seq": seq, "d_inner": d_inner, "d_state": d_state, "chunk": sizes.chunk}
+    return [
+        Case(
+            name="scan_memory",
+            ok=written / fused >= min_ratio,
+            figures={**shape, "written_temp_bytes": written, "rewritten_temp_bytes": fused, "ratio": written / fused},
+        ),
+        Case(
+            name="scan_time",
+            ok=t_new <= 1.2 * t_ref,
+            figures={
+                "written_median_s": t_ref,
+                "rewritten_median_s": t_new,
+                "ratio": t_new / t_ref,
+                "repeats": repeats,
+            },
+        ),
+        Case(
+            name="scan_numerics",
+            ok=out_err <= 1e-5 and grad_rel <= 1e-6,
+            figures={"output_max_abs_err": out_err, "grad_max_abs_err": grad_err, "grad_max_rel_err": grad_rel},
+        ),
+    ]
+
+
+def scan_pallas_case(seq: int = 256, progress=lambda name: None) -> Case:
+    """The Pallas scan (interpreted on CPU) and the fp32 written form, both against the written form in float64.
+
+    ``ok``: outputs within 1e-5 and gradients within 1e-6 of their scale (dA sums B·T terms and is
+    ~200 here, where fp32 rounding alone is ~3e-5 absolute).
+    """
+    progress("scan pallas numerics")
+    xs = scan_inputs(2, seq, 32, 8)
+    sizes = ScanBlockSizes(chunk=32, block_d=16)
+    out = selective_scan(*xs[:5], implementation="pallas", block_sizes=sizes)
+    grads = jax.jit(scan_step("pallas", block_sizes=sizes))(*xs)
+    grads32 = jax.jit(scan_step("reference"))(*xs)
+    with jax.enable_x64(True):
+        xs64 = [jnp.asarray(np.asarray(x), jnp.float64) for x in xs]
+        ref = selective_scan(*xs64[:5], implementation="reference")
+        ref_grads = scan_step("reference")(*xs64)
+    fwd, bwd, rel = max_abs_diff(out, ref), max_abs_diff(grads, ref_grads), rel_diff(grads, ref_grads)
+    return Case(
+        name="scan_numerics_pallas",
+        ok=fwd <= 1e-5 and rel <= 1e-6,
+        figures={
+            "seq": seq,
+            "forward_max_abs_err_vs_float64": fwd,
+            "grad_max_abs_err_vs_float64": bwd,
+            "grad_max_rel_err_vs_float64": rel,
+            "written_fp32_grad_max_abs_err_vs_float64": max_abs_diff(grads32, ref_grads),
+            "grad_abs_err_per_input": dict(
+                zip("dt a v b c".split(), [max_abs_diff(g, r) for g, r in zip(grads, ref_grads)])
+            ),
+        },
+    )
+
+
+def scan_form_cases(seq: int = 4096, repeats: int = 5, progress=lambda name: None) -> list[Case]:
+    """Sequential vs associative scan of h = a·h + b on this CPU, and the form the decision model picks per device."""
+    from conductor.decide import Policy, decide
+    from conductor.match import Match
+
+    progress("scan form")
+    ks = jax.random.split(jax.random.key(0), 2)
+    a = jax.random.uniform(ks[0], (seq, 2, 256, 16))
+    b = jax.random.normal(ks[1], (seq, 2, 256, 16))
+
+    def sequential(a, b):
+        return jax.lax.scan(lambda h, x: (x[0] * h + x[1],) * 2, jnp.zeros(a.shape[1:]), (a, b))[1]
+
+    def parallel(a, b):
+        return jax.lax.associative_scan(lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1]), (a, b))[1]
+
+    seq_f, par_f = jax.jit(sequential), jax.jit(parallel)
+    t_seq = median_seconds(seq_f, a, b, repeats=repeats)
+    t_par = median_seconds(par_f, a, b, repeats=repeats)
+    match = Match(
+        pattern="selective_scan",
+        scope="",
+        path=(),
+        shapes={"batch": 2, "seq": seq, "d_inner": 256, "d_state": 16},
+        details={"problems": ()},
+        rewritable=True,
+    )
+    forms = {device: decide(match, Policy(device=device)).scan_form for device in ("cpu", "gpu", "tpu")}
+    return [
+        Case(
+            name="scan_form_cpu",
+            ok=(forms["cpu"] == "sequential") == (t_par >= t_seq),
+            figures={"sequential_median_s": t_seq, "associative_median_s": t_par, "decided_cpu": forms["cpu"]},
+        ),
+        Case(
+            name="scan_form_accelerators",
+            ok=forms["gpu"] == forms["tpu"] == "parallel",
+            figures={"decided_gpu": forms["gpu"], "decided_tpu": forms["tpu"]},
+        ),
+    ]
+
+
+def export_cases(progress=lambda name: None) -> list[Case]:
+    """The Pallas kernels' training steps lowered with ``jax.export`` for TPU and CUDA, no hardware needed."""
+    from jax import export
+
+    disabled = [
+        export.DisabledSafetyCheck.custom_call("tpu_custom_call"),
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
+    ]
+    sd = jax.ShapeDtypeStruct
+    q = sd((1, 256, 4, 64), jnp.float32)
+    kv = sd((1, 256, 2, 64), jnp.float32)
+    scan_args = tuple(sd(s, jnp.float32) for s in ((1, 256, 256), (256, 16), (1, 256, 256), (1, 256, 16), (1, 256, 16)))
+    cases = []
+    for platform in ("tpu", "cuda"):
+
+        def attention_train(q, k, v, platform=platform):
+            def loss(q, k, v):
+                out = attention(q, k, v, causal=True, implementation="pallas", interpret=False, platform=platform)
+                return out.sum()
+
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        def scan_train(*xs, platform=platform):
+            def loss(*xs):
+                return selective_scan(*xs, implementation="pallas", interpret=False, platform=platform).sum()
+
+            return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*xs)
+
+        for name, fn, args in (("attention", attention_train, (q, kv, kv)), ("scan", scan_train, scan_args)):
+            progress(f"export {name} {platform}")
+            try:
+                exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
+                text = exported.mlir_module()
+                calls = sorted({c for c in ("tpu_custom_call", "triton") if c in text})
+                cases.append(
+                    Case(
+                        name=f"export_{name}_{platform}",
+                        ok=bool(calls),
+                        figures={"custom_calls": calls, "stablehlo_bytes": len(exported.mlir_module_serialized)},
+                    )
+                )
+            except Exception as error:  # a lowering failure is the measurement here
+                cases.append(
+                    Case(
+                        name=f"export_{name}_{platform}",
+                        ok=False,
+                        figures={"error": f"{type(error).__name__}: {str(error)[:300]}"},
+                    )
+                )
+    return cases
+
+
+def all_cases(*, quick: bool = False, progress=lambda name: None) -> list[Case]:
+    """Every case of ``orchestrator bench conductor``; ``quick`` uses small sizes (for tests)."""
+    if quick:
+        return (
+            attention_memory_cases(seqs=(256, 512), progress=progress)
+            + scan_cases(batch=1, seq=256, d_inner=32, d_state=8, repeats=1, min_ratio=2.0, progress=progress)
+            + export_cases(progress=progress)
+        )
+    return (
+        attention_memory_cases(progress=progress)
+        + attention_numerics_cases(progress=progress)
+        + scan_cases(progress=progress)
+        + [scan_pallas_case(progress=progress)]
+        + scan_form_cases(progress=progress)
+        + export_cases(progress=progress)
+    )

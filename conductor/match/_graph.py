@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
@@ -57,7 +58,8 @@ class Graph:
         if any(x is None for x in ins):
             self._not_const.add(v)
             return None
-        outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+        with jax.ensure_compile_time_eval():  # fold concretely even when called under an outer trace
+            outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
         outs = outs if e.primitive.multiple_results else [outs]
         for o, x in zip(e.outvars, outs):
             self._values[o] = np.asarray(x)

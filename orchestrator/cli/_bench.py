@@ -178,3 +178,14 @@ def executor(
     from orchestrator.cli._executor import bench_executor_command
 
     bench_executor_command(as_json=as_json, quick=quick)
+
+
+@bench_app.command("conductor")
+def conductor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [{name, ok, ...figures}]}.")] = False,
+    quick: Annotated[bool, typer.Option(help="Small sizes only (for tests).")] = False,
+) -> None:
+    """Conductor rewrites: compiled memory, numerics, CPU time, TPU/CUDA lowering; exit 1 on a miss."""
+    from orchestrator.cli._conductor import conductor_command
+
+    conductor_command(as_json=as_json, quick=quick)

@@ -1,0 +1,21 @@
+"""``orchestrator bench conductor --quick --json``: cases with name, ok and figures; the kernels lower for TPU and CUDA."""
+
+import json
+
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+
+
+def test_bench_conductor_quick_json():
+    result = CliRunner().invoke(app, ["bench", "conductor", "--quick", "--json"])
+    assert result.exit_code == 0, result.output
+    cases = {c["name"]: c for c in json.loads(result.stdout)["cases"]}
+    assert all({"name", "ok"} <= set(c) for c in cases.values())
+    for name in ("export_attention_tpu", "export_attention_cuda", "export_scan_tpu", "export_scan_cuda"):
+        assert cases[name]["ok"], cases[name]
+    assert cases["export_attention_tpu"]["custom_calls"] == ["tpu_custom_call"]
+    assert cases["export_scan_cuda"]["custom_calls"] == ["triton"]
+    memory = cases["attention_memory_growth"]
+    assert memory["rewritten_growth"] < memory["naive_growth"]
+    assert cases["scan_memory"]["rewritten_temp_bytes"] < cases["scan_memory"]["written_temp_bytes"]
