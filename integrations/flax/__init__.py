@@ -1,6 +1,7 @@
 """JAX/Flax integration: capture a training step into Orchestrator's op-graph."""
 
 from integrations.flax._capture import CaptureWarning, capture, is_param_path, param_logical_axes, parse_name_stack
+from integrations.flax._nnx import from_nnx
 from integrations.flax._orchestrate import OrchestratedTrainState, orchestrate
 from integrations.flax._pipeline import Pipeline, cut_stages
 from integrations.flax._profile import profile_layers
@@ -19,6 +20,7 @@ __all__ = [
     "capture",
     "compile_step",
     "cut_stages",
+    "from_nnx",
     "hlo_collective_bytes",
     "is_param_path",
     "orchestrate",

@@ -226,6 +226,11 @@ class Pipeline:
     """
 
     def __init__(self, plan, train_step: Callable, state, *, layers, param_axes=None, cluster=None):
+        if not hasattr(state, "apply_gradients"):
+            raise ValueError(
+                "a multi-stage plan needs a Flax TrainState (its apply_gradients runs each stage's update); "
+                "run other states (e.g. from_nnx) under single-stage plans (planner max_stages=1)"
+            )
         self.plan, self.train_step, self.layers = plan, train_step, layers
         self.param_axes = param_axes or {}
         devices = device_map(cluster)

@@ -108,8 +108,9 @@ def leaf_params(state) -> list[tuple[str | None, bool]]:
     """Per leaf of ``state``: (the parameter path it belongs to or None, whether it is that parameter).
 
     A parameter belongs to itself; an optimizer-state leaf belongs to the
-    parameter whose key path (below ``params``) is the longest suffix of its
-    own and whose shape it has (AdamW's ``mu``/``nu``); anything else to none.
+    parameter whose key path (below ``params``, or that path without its
+    leading names) is the longest suffix of its own and whose shape it has
+    (AdamW's ``mu``/``nu``); anything else to none.
     """
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     params = {}  # key names below "params" → (path string, shape)
@@ -124,10 +125,12 @@ def leaf_params(state) -> list[tuple[str | None, bool]]:
             continue
         names = _names(path)
         best = None
-        for key, (name, shape) in params.items():
-            if len(names) > len(key) and names[-len(key) :] == key and shape == tuple(leaf.shape):
-                if best is None or len(key) > len(best[0]):
-                    best = (key, name)
+        for full, (name, shape) in params.items():
+            # the whole key, or (nnx: ``0/a/kernel/value``) the key without leading containers, ≥ 2 names
+            for key in (full[i:] for i in range(max(1, len(full) - 1))):
+                if len(names) > len(key) and names[-len(key) :] == key and shape == tuple(leaf.shape):
+                    if best is None or len(key) > len(best[0]):
+                        best = (key, name)
         out.append((None if best is None else best[1], False))
     return out
 
