@@ -37,9 +37,9 @@ def bench_executor_command(
 ) -> None:
     """Executed plans vs single-device training (parity), vs the cost model (collectives, stage times), and the
     rank correlation of measured and simulated step times; exit 1 if a case misses its tolerance."""
+    _need_devices(8)  # before anything imports jax
     from integrations.flax._bench import run
 
-    _need_devices(8)
     console = Console(stderr=True)
     with console.status("running plans") as status:
         result = run(progress=lambda what: status.update(what), quick=quick)
