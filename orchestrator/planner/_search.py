@@ -53,14 +53,33 @@ def search_space(model: CostModel, global_batch: int, *, recompute: bool) -> Sea
     )
 
 
-def _allocate(cluster: Cluster, groups: list[GroupConfig]) -> list[tuple[str, ...]]:
-    """Concrete devices for each stage: whole hosts first, then host slices, first fit."""
+def _allocate(
+    cluster: Cluster, groups: list[GroupConfig], prefer: list[tuple[str, ...] | None] | None = None
+) -> list[tuple[str, ...]]:
+    """Concrete devices for each stage: preferred devices where they still match its group,
+    then whole hosts first, then host slices, first fit. Devices come replica-major: each run
+    of ``tp`` devices is one tensor-parallel group inside one host."""
+    kinds = {d.ref: d.device_type for d in cluster.devices()}
+    out: list[tuple[str, ...] | None] = [None] * len(groups)
+    taken: set[str] = set()
+    for index, wanted in enumerate(prefer or []):
+        group = groups[index] if index < len(groups) else None
+        if (
+            group is not None
+            and wanted
+            and len(wanted) == group.size
+            and all(kinds.get(d) == group.device_type for d in wanted)
+            and not taken & set(wanted)
+        ):
+            out[index] = tuple(wanted)
+            taken |= set(wanted)
     free: dict[str, list[list[str]]] = {}
     for host in cluster.hosts:
-        refs = [d.ref for d in cluster.devices() if d.host == host.name]
+        refs = [d.ref for d in cluster.devices() if d.host == host.name and d.ref not in taken]
         free.setdefault(host.device_type, []).append(refs)
-    out: list[tuple[str, ...] | None] = [None] * len(groups)
     for index in sorted(range(len(groups)), key=lambda i: -groups[i].size):
+        if out[index] is not None:
+            continue
         group = groups[index]
         hosts = free[group.device_type]
         picked: list[str] = []
@@ -105,6 +124,8 @@ def plan(
     time_limit_s: float = 30.0,
     gap: float = 1e-3,
     recompute: bool = True,
+    start: tuple[list[list[int]], list[GroupConfig], int] | None = None,
+    prefer_devices: list[tuple[str, ...] | None] | None = None,
 ) -> Plan:
     """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
 
@@ -125,6 +146,10 @@ def plan(
         returned when it runs out.
       gap: relative gap at which each solve stops.
       recompute: also consider recomputing each stage's forward in its backward.
+      start: a known plan (layers per stage, groups, M) to start from, e.g. the previous
+        plan when re-planning; used when it fits and beats the heuristic.
+      prefer_devices: devices to give each stage when its group still fits them (re-planning
+        keeps surviving stages where they are, so their state need not move).
 
     Raises:
       PlanInfeasible: no plan fits; the message names the binding constraint and the
@@ -141,7 +166,7 @@ def plan(
     max_stages = min(max_stages or 16, L, len(cluster.devices()))
     candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
     best, lower = None, math.inf
-    start = _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute)
+    given, start = start, _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute)
     if start is not None:
         ev = evaluate(
             start.stages,
@@ -156,6 +181,10 @@ def plan(
         log.debug(
             "heuristic start: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, start.microbatches, len(start.stages)
         )
+    if given is not None and given[2] in candidates:
+        ev = evaluate(*given, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
+        if ev.feasible and (best is None or ev.iteration_s < best[0].iteration_s):
+            best = (ev, given[0], given[1], given[2], None)
     for index, M in enumerate(candidates):
         remaining = time_limit_s - (time.perf_counter() - started)
         if remaining <= 0 and best is not None:  # out of time: this M keeps only its solve-free bound
@@ -210,7 +239,7 @@ def plan(
     if best is None:
         raise PlanInfeasible(infeasibility_message(model, space, candidates, max_stages, schedule, global_batch))
     ev, stages, chosen, M, result = best
-    devices = _allocate(cluster, chosen)
+    devices = _allocate(cluster, chosen, prefer=prefer_devices)
     plan_stages = tuple(
         Stage(
             layers=tuple(layers),

@@ -1,0 +1,50 @@
+"""Re-planning: cache hits, repair of a plan after a host is lost, warm solve equal to a cold one."""
+
+import dataclasses
+import time
+
+import pytest
+
+from orchestrator.bench._synthetic import SyntheticCosts, SyntheticLayer, synthetic_cluster
+from orchestrator.planner import cached_plan, plan, replan
+
+BLOCK = SyntheticLayer(flops=4e12, param_bytes=2e9, activation_per_sample=0.5e9, output_per_sample=0.05e9)
+SETTINGS = {"global_batch": 16, "microbatch_candidates": (1, 2, 4, 8), "max_stages": 4}
+
+
+def _without_host(model, host):
+    cluster = model.cluster
+    gone = frozenset(d.ref for d in cluster.devices() if d.host == host)
+    return SyntheticCosts(model.layers, dataclasses.replace(cluster, unavailable=cluster.unavailable | gone))
+
+
+def test_identical_requests_hit_the_cache():
+    model = SyntheticCosts([BLOCK] * 6, synthetic_cluster({"a": (20.0, 40.0)}, hosts_per_type=2, per_host=2))
+    first = cached_plan(model, time_limit_s=20, **SETTINGS)
+    started = time.perf_counter()
+    assert cached_plan(model, time_limit_s=20, **SETTINGS) is first
+    assert time.perf_counter() - started < 0.05
+
+
+def test_replan_after_losing_a_host_matches_a_cold_solve():
+    model = SyntheticCosts(
+        [BLOCK] * 6, synthetic_cluster({"fast": (40.0, 40.0), "slow": (20.0, 40.0)}, hosts_per_type=2, per_host=2)
+    )
+    before = plan(model, time_limit_s=30, gap=1e-6, **SETTINGS)
+    lost = next(s.devices[0] for s in before.stages).split("/")[0]
+    after = _without_host(model, lost)
+    cold = plan(after, time_limit_s=30, gap=1e-6, **SETTINGS)
+    warm = replan(
+        before, after, time_limit_s=30, gap=1e-6, **{k: v for k, v in SETTINGS.items() if k != "global_batch"}
+    )
+    assert warm.iteration_s == pytest.approx(cold.iteration_s, rel=1e-6)
+    alive = {d.ref for d in after.cluster.devices()}
+    assert all(d in alive for s in warm.stages for d in s.devices)
+    # a stage that survived with an unchanged group keeps its devices
+    kept = {s.devices for s in before.stages if set(s.devices) <= alive}
+    same_groups = [s for s in warm.stages if any(len(k) == len(s.devices) for k in kept)]
+    assert not same_groups or any(s.devices in kept for s in same_groups)
+    assert (
+        replan(before, after, time_limit_s=30, gap=1e-6, **{k: v for k, v in SETTINGS.items() if k != "global_batch"})
+        is warm
+    )
