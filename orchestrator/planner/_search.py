@@ -25,7 +25,7 @@ from orchestrator.solver import highs_available, solve
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32)
+DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True, slots=True)
