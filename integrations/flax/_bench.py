@@ -86,7 +86,8 @@ def _stage_costs(plan, su: Setup):
     link = su.model.default_link(su.device_type)
     out = []
     for s, stage in enumerate(plan.stages):
-        config = ParallelConfig(tp=stage.tp, dp=stage.dp, microbatch_size=stage.microbatch_size)
+        tp = stage.tp if su.model.tensor_parallel else 1  # no axis names: TP shards nothing
+        config = ParallelConfig(tp=tp, dp=stage.dp, microbatch_size=stage.microbatch_size)
         fwd = bwd = upd = 0.0
         for index in stage.layers:
             cost = su.model.layer_cost(index, su.device_type, config)

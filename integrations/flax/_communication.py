@@ -22,7 +22,9 @@ def predicted_collectives(plan, model, device_type: str) -> list[dict[str, float
 
     out = []
     for stage in plan.stages:
-        config = ParallelConfig(tp=stage.tp, dp=stage.dp, microbatch_size=stage.microbatch_size)
+        # without logical axis names nothing is tensor-parallel: the executor replicates over "model"
+        degree = stage.tp if model.tensor_parallel else 1
+        config = ParallelConfig(tp=degree, dp=stage.dp, microbatch_size=stage.microbatch_size)
         tp = dp = 0.0
         for index in stage.layers:
             cost = model.layer_cost(index, device_type, config)
