@@ -42,6 +42,8 @@ Constraints (one function each; every row named)
     bottleneck      T ≥ t_j = Σ_{r,g} τ·y[r,j,g] + 2·P_j     (activation out, gradient back)
     sync, optimizer D ≥ Σ_{r,g} δ·y[r,j,g],  O ≥ Σ_{r,g} ω·y[r,j,g]
     memory          Σ_{r,g} (σ + α·k_j)·y[r,j,g] + X_j ≤ Σ_g mem(g)·u[j,g],  X_j ≥ Σ_g ρ·v[r,j,g]
+    group limits    Σ_r (σ + α·k_j)·y[r,j,g] ≤ mem(g)·u[j,g];  with an incumbent of step time I,
+                    Σ_r τ·y[r,j,g] ≤ (I / M)·u[j,g]  (a better plan has T ≤ I / M)
     capacity        (valid cuts) N_t·T ≥ Σ_{r,j,g of type t} size_g·τ·y[r,j,g],  Σ_j t_j ≥ T,
                     Σ_{r,j,g of type t} size_g·(σ + α·k_j)·y[r,j,g] ≤ N_t·mem_t
 
@@ -323,6 +325,25 @@ class StageModel:
                 self.lp += held <= self.infos[t].devices * self.infos[t].memory_bytes * GB, f"capacity_memory_{t}"
         self.lp += pulp.lpSum(self.stage_time.values()) >= self.T, "fill_covers_bottleneck"
 
+    def add_group_limits(self, bottleneck_limit_s: float | None = None) -> None:
+        """Per (stage, group) rows, valid in integral solutions because a stage has one group,
+        and much tighter in the LP than the per-stage rows: a fraction u of a group holds at most
+        u of its memory, and — given an incumbent of step time I, so any better plan has
+        T ≤ I / M (the objective is at least M·T) — at most u·I/M of compute time."""
+        for j in range(self.J):
+            k = self.in_flight(j)
+            for g, group in enumerate(self.groups):
+                terms = [(r, self.y[r, j, g]) for r in range(len(self.runs))]
+                held = pulp.lpSum(
+                    (self.entry(r, g).static_bytes + self.entry(r, g).activation_bytes * k) * GB * y for r, y in terms
+                )
+                capacity = self.infos[group.device_type].memory_bytes * GB
+                if not self.repair:
+                    self.lp += held <= capacity * self.u[j, g], f"group_memory_{j}_{g}"
+                if bottleneck_limit_s is not None:
+                    work = pulp.lpSum(self.entry(r, g).time_s * MS * y for r, y in terms)
+                    self.lp += work <= bottleneck_limit_s * MS * self.u[j, g], f"group_time_{j}_{g}"
+
     def add_memory(self) -> None:
         G = range(len(self.groups))
         for j in range(self.J):
@@ -339,7 +360,9 @@ class StageModel:
                 peak = pulp.lpSum(self.entry(r, g).transient_bytes * GB * self.v[r, j, g] for g in G)
                 self.lp += self.X[j] >= peak, f"transient_{r}_{j}"
 
-    def build(self) -> StageModel:
+    def build(self, incumbent_s: float | None = None) -> StageModel:
+        """All constraint families; ``incumbent_s`` (a known plan's step time) enables the
+        bottleneck limit of :meth:`add_group_limits`."""
         self.add_stage_order()
         self.add_layer_counts()
         self.add_contiguous()
@@ -349,6 +372,7 @@ class StageModel:
         self.add_bottleneck()
         self.add_capacity()
         self.add_memory()
+        self.add_group_limits(None if incumbent_s is None else incumbent_s / self.M)
         if self.repair:
             self.lp.setObjective(self.Q)
         return self

@@ -202,7 +202,7 @@ def plan(
         )
         if not sub.groups:
             continue
-        sub.build()
+        sub.build(incumbent_s=best[0].iteration_s if best else None)
         built = time.perf_counter()
         warm = best is not None and best[3] == M and sub.set_start(best[1], best[2])
         if best is not None and not warm:
