@@ -247,9 +247,9 @@ def communication_cases(su: Setup, progress=None) -> list[dict]:
         predicted = predicted_collectives(plan, su.model, su.device_type)
         for s, (m, p) in enumerate(zip(measured, predicted)):
             for kind in KINDS:
-                if not m[kind] and not p[kind]:
+                if kind != "all-reduce" and not m[kind] and not p[kind]:
                     continue
-                err = (m[kind] - p[kind]) / p[kind] if p[kind] else float("inf")
+                err = (m[kind] - p[kind]) / p[kind] if p[kind] else (0.0 if not m[kind] else float("inf"))
                 cases.append(
                     _case(
                         f"{name} {plan_name} stage {s}",
