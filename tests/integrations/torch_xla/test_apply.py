@@ -17,7 +17,6 @@ from integrations.torch_xla import PlanNotSupported, StepTimer, apply, fit, part
 from integrations.torch_xla._bench import _plan
 from integrations.torch_xla._callbacks import Callback
 from orchestrator.planner import Plan
-from tests.integrations.torch_xla._xla_worker import SHAPE
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +52,12 @@ def test_tensor_parallel_collectives_match_the_planner(worker):
 
 
 @pytest.mark.parametrize("config", ["DP", "DPxTP"])
-def test_data_parallel_residual_is_the_tied_embedding(worker, config):
-    """XLA all-reduces the tied embedding's two gradient contributions apart; the planner counts it once."""
+def test_data_parallel_collectives_match_the_planner(worker, config):
+    """Including the tied embedding, whose two gradient contributions XLA all-reduces apart."""
     record = worker[config]
     measured = record["hlo_collective_bytes"]
-    tied = SHAPE["vocab_size"] * SHAPE["d_model"] * 4
-    residual = measured["all-reduce"] - record["predicted_all_reduce_bytes"]
-    assert tied <= residual < tied + 64  # + a few loss scalars
+    assert measured["all-reduce"] == pytest.approx(record["predicted_all_reduce_bytes"], rel=0.01)
     assert sum(v for k, v in measured.items() if k != "all-reduce") == 0
-
-
-@pytest.mark.xfail(strict=True, reason="the cost model syncs a tied parameter's gradient once; XLA twice (also in JAX)")
-@pytest.mark.parametrize("config", ["DP", "DPxTP"])
-def test_data_parallel_collectives_match_the_planner(worker, config):
-    record = worker[config]
-    assert record["hlo_collective_bytes"]["all-reduce"] == pytest.approx(record["predicted_all_reduce_bytes"], rel=0.01)
 
 
 def test_checkpoint_round_trip(worker):
