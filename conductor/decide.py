@@ -107,7 +107,8 @@ class Policy:
     """What the conductor may do.
 
     Attributes:
-      attention, selective_scan: ``"auto"`` (the cost model decides), ``"force"`` or ``"forbid"``.
+      attention, selective_scan, linear_recurrence: ``"auto"`` (the cost model decides), ``"force"``
+        or ``"forbid"``. A plain linear recurrence is rewritten into an associative scan.
       exclude_scopes: fnmatch patterns on module scopes left alone (``"*/blocks_0/*"``).
       implementation: kernel implementation; None = Pallas on TPU/GPU, ``"xla_chunked"`` on CPU.
       device: the device type to decide for (see :func:`device_profile`); None = local backend.
@@ -117,6 +118,7 @@ class Policy:
 
     attention: Choice = "auto"
     selective_scan: Choice = "auto"
+    linear_recurrence: Choice = "auto"
     exclude_scopes: tuple[str, ...] = ()
     implementation: Implementation | None = None
     device: object = None
@@ -227,4 +229,17 @@ def decide(match: Match, policy: Policy | None = None) -> Decision:
         return Decision(rewrite=False, reason=f"{match.pattern} forbidden by policy")
     if match.pattern == "attention":
         return _attention(match, p, choice, impl)
+    if match.pattern == "linear_recurrence":
+        return _recurrence(match, p, choice)
     return _scan(match, p, choice, impl)
+
+
+def _recurrence(m: Match, p: DeviceProfile, choice: Choice) -> Decision:
+    """Plain h = a ⊙ h + b: the associative scan (depth O(log T), ~2× the work) only where it pays."""
+    pays = p.parallel_scan_pays and m.shapes["seq"] * math.prod(m.shapes["state"]) >= 4096
+    form = "parallel" if pays else "sequential"
+    if choice == "force" or (choice == "auto" and pays):
+        return Decision(
+            rewrite=True, reason="forced" if choice == "force" else "parallel scan pays here", scan_form="parallel"
+        )
+    return Decision(rewrite=False, reason=f"sequential scan is faster on {p.kind}", scan_form=form)

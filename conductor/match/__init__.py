@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import jax
 from jax.extend import core as jcore
 
-from conductor._jaxpr import scope_of
+from conductor._jaxpr import evaluate, scope_of
 from conductor.match._attention import match_attention
 from conductor.match._graph import Graph
 from conductor.match._scan import match_recurrence
@@ -92,7 +93,7 @@ def match_level(jaxpr: jcore.Jaxpr, consts=(), path: tuple[str, ...] = ()) -> li
                         path=path,
                         shapes=shapes,
                         details={"problems": tuple(rec["problems"])},
-                        rewritable=sel is not None,
+                        rewritable=sel is not None or rec["parallel_ok"],
                         anchor=i,
                         region=rec,
                         level=jaxpr,
@@ -124,6 +125,12 @@ _BODIES = {
 }
 
 
+def _flattened(jaxpr, consts):
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    flat = jax.make_jaxpr(lambda *xs: evaluate(jaxpr, consts, xs))(*avals)
+    return flat.jaxpr, flat.consts
+
+
 def find(closed: jcore.ClosedJaxpr) -> list[Match]:
     """All matches in ``closed`` and, recursively, in its scan/remat/custom_vjp/custom_jvp/jit bodies."""
     return _find(closed.jaxpr, closed.consts, ())
@@ -138,6 +145,8 @@ def _find(jaxpr, consts, path) -> list[Match]:
             if body is None:
                 continue
             inner, inner_consts = (body.jaxpr, body.consts) if hasattr(body, "jaxpr") else (body, ())
+            if label in ("custom_vjp", "custom_jvp"):  # not flattened by the rewrite: inline its jits to match
+                inner, inner_consts = _flattened(inner, inner_consts)
             sub = _find(inner, inner_consts, (*path, label))
             if label in ("custom_vjp", "custom_jvp"):  # reported; rewriting would drop the user's derivative rule
                 sub = [

@@ -47,6 +47,9 @@ def match_recurrence(g: Graph, index: int) -> dict | None:
                     "problems": [],
                 }
                 found["selective"] = _selective(g, bg, scan, found)
+                found["parallel_ok"] = n_carry == 1 and not scan.params["reverse"]
+                if not found["parallel_ok"]:
+                    found["problems"].append("parallel form needs one forward carry")
                 return found
     return None
 

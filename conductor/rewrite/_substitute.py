@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from conductor._jaxpr import Substitution
@@ -16,6 +17,8 @@ def substitution(match: Match, decision: Decision) -> Substitution:
     """The :class:`Substitution` that runs ``match`` as the kernel ``decision`` chose."""
     if match.pattern == "attention":
         return _attention(match, decision)
+    if match.pattern == "linear_recurrence":
+        return _recurrence(match)
     return _scan(match, decision)
 
 
@@ -66,3 +69,35 @@ def _scan(match: Match, decision: Decision) -> Substitution:
 
     inputs = (sel["dt"], sel["a"], sel["v"], sel["b"], sel["c"])
     return Substitution(anchor=match.anchor, inputs=inputs, outvars=(ys,), fn=fn)
+
+
+def _recurrence(match: Match) -> Substitution:
+    """h_t = a_t ⊙ h_{t−1} + b_t by ``lax.associative_scan`` with (a₁, b₁)∘(a₂, b₂) = (a₁a₂, a₂b₁ + b₂);
+    the rest of the body then runs for all t at once (vmapped) on h_{t−1}."""
+    scan = match.level.eqns[match.anchor]
+    p = scan.params
+    body, n_consts = p["jaxpr"], p["num_consts"]
+    rec = match.region
+    a_idx, b_idx = rec["a_xs"] - n_consts - 1, rec["b_xs"] - n_consts - 1  # positions among the xs
+
+    def fn(*invals):
+        from conductor._jaxpr import evaluate
+
+        consts, h0, xs = invals[:n_consts], invals[n_consts], invals[n_consts + 1 :]
+        a, b = xs[a_idx], xs[b_idx]  # (T, *state)
+        a = jnp.concatenate([jnp.ones_like(a[:1]), a])  # prepend (1, h0): then h_t is the prefix product
+        b = jnp.concatenate([h0[None], b])
+
+        def combine(x, y):
+            return x[0] * y[0], y[0] * x[1] + y[1]
+
+        _, h = jax.lax.associative_scan(combine, (a, b))  # h[t] = h_t, h[0] = h0
+        h_prev, h_last = h[:-1], h[-1]
+
+        def step(hp, x):
+            return evaluate(body.jaxpr, body.consts, [*consts, hp, *x])[1:]
+
+        ys = jax.vmap(step)(h_prev, list(xs)) if xs else []
+        return [h_last, *ys]
+
+    return Substitution(anchor=match.anchor, inputs=tuple(scan.invars), outvars=tuple(scan.outvars), fn=fn)

@@ -152,9 +152,39 @@ def test_existing_pallas_call_is_reported_and_left_alone():
     np.testing.assert_array_equal(conductor.optimize(fn)(jnp.ones((8, 8))), 2 * jnp.ones((8, 8)))
 
 
-def test_plain_linear_recurrence_is_found_but_not_rewritten_on_cpu():
-    def ema(a, b):  # h_t = a_t h_{t-1} + b_t, time-major
-        return jax.lax.scan(lambda h, x: (x[0] * h + x[1], h), jnp.zeros(a.shape[1:]), (a, b))[1]
+def test_plain_linear_recurrence_goes_parallel_only_where_it_pays():
+    def ema(a, b, w):  # h_t = a_t h_{t-1} + b_t, time-major, with a per-step readout
+        def body(h, x):
+            h = x[0] * h + x[1]
+            return h, jnp.tanh(h) * w
 
-    ((match, decision),) = conductor.inspect(ema, jnp.ones((16, 4)), jnp.ones((16, 4)))
-    assert match.pattern == "linear_recurrence" and not decision.rewrite
+        return jax.lax.scan(body, jnp.ones(a.shape[1:]), (a, b))
+
+    ks = jax.random.split(jax.random.key(0), 3)
+    args = (
+        jax.random.uniform(ks[0], (256, 4, 8)),
+        jax.random.normal(ks[1], (256, 4, 8)),
+        jax.random.normal(ks[2], (4, 8)),
+    )
+    ((match, on_cpu),) = conductor.inspect(ema, *args)
+    assert match.pattern == "linear_recurrence" and not on_cpu.rewrite and on_cpu.scan_form == "sequential"
+    tpu = conductor.Policy(device="tpu")
+    ((_, on_tpu),) = conductor.inspect(ema, *args, policy=tpu)
+    assert on_tpu.rewrite and on_tpu.scan_form == "parallel"
+    parallel = conductor.optimize(ema, policy=tpu)  # the TPU's choice, run here on the CPU
+    assert " scan[" not in str(jax.make_jaxpr(parallel)(*args))
+    assert max_abs_diff(parallel(*args), ema(*args)) <= 1e-5
+
+
+def test_attention_inside_custom_vjp_is_reported_not_rewritten():
+    @jax.custom_vjp
+    def user_attention(q, k, v):
+        return einsum_mha(q, k, v)
+
+    user_attention.defvjp(
+        lambda q, k, v: (einsum_mha(q, k, v), (q, k, v)), lambda res, g: jax.vjp(einsum_mha, *res)[1](g)
+    )
+    args = _inputs((B, T, H, D), (B, T, H, D))
+    ((match, decision),) = conductor.inspect(user_attention, *args, policy=FORCE)
+    assert match.path == ("custom_vjp",) and not decision.rewrite
+    assert "inside a custom_vjp body" in decision.reason

@@ -104,3 +104,20 @@ def test_parallel_scan_form_only_where_it_pays():
 def test_unknown_device_is_one_line_error():
     with pytest.raises(ValueError, match="unknown device 'ipu'"):
         conductor.device_profile("ipu")
+
+
+def test_capture_of_the_rewritten_step_sees_the_kernel_costs():
+    """What ``orchestrate(..., conductor=True)`` relies on: capture traces the rewritten step, scopes intact."""
+    from integrations.flax import capture
+    from orchestrator.coarsen import coarsen
+
+    r = get_recipe("gpt-tiny")
+    state, batch = r.abstract_state(), r.batch_spec()
+    fast = state.replace(apply_fn=conductor.optimize(state.apply_fn, policy=FORCE))
+    plain_layers, fast_layers = (
+        coarsen(capture(r.train_step, state, batch)),
+        coarsen(capture(r.train_step, fast, batch)),
+    )
+    assert [layer.name for layer in fast_layers.layers] == [layer.name for layer in plain_layers.layers]
+    plain_block, fast_block = plain_layers.layers[1], fast_layers.layers[1]
+    assert fast_block.backward_flops > plain_block.backward_flops  # flash recomputes the scores in the backward
