@@ -104,3 +104,13 @@ def test_user_mistakes_get_one_line_errors(gpt):
         shard(plan, state)
     with pytest.raises(ValueError, match="divisible by 16"):
         check_plan("DP8", global_batch=8)
+
+
+def test_cli_user_mistakes_exit_2_with_one_line():
+    from typer.testing import CliRunner
+
+    from orchestrator.cli._app import app
+
+    result = CliRunner().invoke(app, ["demo", "--recipe", "nope"])
+    assert result.exit_code == 2
+    assert "unknown recipe 'nope'" in result.output

@@ -1,8 +1,8 @@
 """Plans executed on the 8 virtual devices train exactly like one device (fp32).
 
 Tiny GPT runs every check plan; tiny Mamba (no logical axis names, so TP
-shards none of its parameters) the two pipelines and DP2×TP4. The full
-matrix is ``orchestrator bench executor``.
+shards none of its parameters) the two pipelines. The full matrix is
+``orchestrator bench executor``.
 """
 
 import pytest
@@ -10,7 +10,7 @@ import pytest
 from integrations.flax._parity import PLAN_NAMES, check_plan, parity
 
 CASES = [("gpt-tiny", name) for name in PLAN_NAMES] + [
-    ("mamba-tiny", name) for name in ("DP2xTP4", "2 stages (3+1) x 4 mb", "4 stages TP 1/2/4/1")
+    ("mamba-tiny", name) for name in ("2 stages (3+1) x 4 mb", "4 stages TP 1/2/4/1")
 ]
 
 
