@@ -16,11 +16,13 @@ comparison isolates the decision the system gets wrong:
   of the total work (earliest finish), then the next block opens.
 - ``exhaustive``: every split × group × M (tiny instances only) — the ground truth.
 
-All searches range over stage counts 1..max_stages and the planner's microbatch candidates.
+All searches range over stage counts 1..max_stages and the planner's microbatch candidates
+(largest M first); with a ``deadline`` they stop there and return their best so far.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from orchestrator.baselines._split import (
@@ -79,11 +81,17 @@ def _speed(model: CostModel, space, device_type: str, microbatches: int) -> floa
 
 
 class _Search:
-    def __init__(self, model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space=None):
-        self.model, self.schedule = model, schedule
+    def __init__(
+        self, model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space=None, deadline=None
+    ):
+        self.model, self.schedule, self.deadline = model, schedule, deadline
         self.space = space or search_space(model, global_batch, recompute=recompute)
-        self.candidates = [m for m in microbatch_candidates if global_batch % m == 0]
+        self.candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
         self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
+
+    def expired(self) -> bool:
+        """Past the deadline (``time.perf_counter()``) the search returns its best so far."""
+        return self.deadline is not None and time.perf_counter() > self.deadline
 
     def stage_counts(self, given):
         return [S for S in given if S <= self.max_stages] if given else range(1, self.max_stages + 1)
@@ -129,11 +137,15 @@ def uniform(
     recompute=True,
     space=None,
     stage_counts=None,
+    deadline=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    search, best = (
+        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
+        None,
+    )
     for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, search.space, S)
-        for M in search.candidates if blocks else ():
+        for M in search.candidates if blocks and not search.expired() else ():
             split = equal_split(search.space.layers, S)
             best = search.score("uniform", split, configure(search.space, blocks, split, M, schedule), M, best)
     return best
@@ -149,11 +161,15 @@ def alpa(
     recompute=True,
     space=None,
     stage_counts=None,
+    deadline=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    search, best = (
+        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
+        None,
+    )
     for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, search.space, S)
-        for M in search.candidates if blocks else ():
+        for M in search.candidates if blocks and not search.expired() else ():
             split = search.reference_split(blocks, M, tp=True)
             groups = configure(search.space, blocks, split, M, schedule) if split else None
             best = search.score("alpa", split, groups, M, best)
@@ -170,11 +186,15 @@ def pipedream(
     recompute=True,
     space=None,
     stage_counts=None,
+    deadline=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    search, best = (
+        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
+        None,
+    )
     for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, search.space, S)
-        for M in search.candidates if blocks else ():
+        for M in search.candidates if blocks and not search.expired() else ():
             split = search.reference_split(blocks, M, tp=False)
             groups = configure(search.space, blocks, split, M, schedule, tp=False) if split else None
             best = search.score("pipedream", split, groups, M, best)
@@ -191,12 +211,16 @@ def greedy(
     recompute=True,
     space=None,
     stage_counts=None,
+    deadline=None,
 ):
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    search, best = (
+        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
+        None,
+    )
     space, L = search.space, search.space.layers
     for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, space, S)
-        for M in search.candidates if blocks else ():
+        for M in search.candidates if blocks and not search.expired() else ():
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
             order = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
             power = [speed[t] * n for t, n in order]
@@ -244,14 +268,18 @@ def balanced(
     recompute=True,
     stage_counts=None,
     space=None,
+    deadline=None,
 ):
     """Not a baseline: our own fast heuristic (true costs, speed-ordered blocks, bottleneck DP),
     used as the ILP's starting incumbent."""
-    search, best = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space), None
+    search, best = (
+        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
+        None,
+    )
     space = search.space
     for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, space, S)
-        for M in search.candidates if blocks else ():
+        for M in search.candidates if blocks and not search.expired() else ():
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
             order = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
             options = [[StageCosts(space, g, M) for g in configs_for(space, t, n, M)] for t, n in order]

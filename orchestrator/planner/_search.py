@@ -94,7 +94,7 @@ def _allocate(
     return out  # type: ignore[return-value]
 
 
-def _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute):
+def _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute, deadline=None):
     """The best of our balanced heuristic and every baseline (over stage counts of the form 2^k
     and 3·2^k, to bound the time): the ILP starts from it, so the plan returned is never worse
     than those baselines, even when the time limit stops the search."""
@@ -109,7 +109,14 @@ def _heuristic(model, space, global_batch, schedule, candidates, max_stages, rec
         "space": space,
         "stage_counts": [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= max_stages],
     }
-    found = [run(model, **settings) for run in (balanced, *BASELINES.values())]
+    runs = (balanced, *BASELINES.values())
+    now = time.perf_counter()
+    share = None if deadline is None else max(0.0, deadline - now) / len(runs)
+    found = []
+    for index, run in enumerate(runs):  # each gets an equal share of the time
+        if share is not None:
+            settings["deadline"] = now + share * (index + 1)
+        found.append(run(model, **settings))
     found = [f for f in found if f is not None]
     return min(found, key=lambda f: f.iteration_s) if found else None
 
@@ -166,7 +173,11 @@ def plan(
     max_stages = min(max_stages or 16, L, len(cluster.devices()))
     candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
     best, lower = None, math.inf
-    given, start = start, _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute)
+    # the heuristic and baselines get at most a third of the budget (largest M first)
+    given = start
+    start = _heuristic(
+        model, space, global_batch, schedule, candidates, max_stages, recompute, deadline=started + time_limit_s / 3
+    )
     if start is not None:
         ev = evaluate(
             start.stages,
