@@ -1,38 +1,50 @@
-"""Exact schedules: a continuous-time disjunctive MILP, started from HEFT.
+"""Exact schedules: a continuous-time disjunctive MILP, started from the best list schedule found.
 
 Sets: tasks T, devices D, machines M = {(d, k) : k < slots(d)}; E the edges;
 P = pairs of tasks neither of which reaches the other (only they can overlap).
+U is the start's makespan; D_t ⊆ D, H[t,d] and Q[t,d] are the devices, heads
+and tails left by propagating U (:func:`orchestrator.dag._bounds.propagate`):
+they hold in every schedule of makespan ≤ U, so the model keeps every such
+schedule, and an optimal one is among them.
 
 Variables
-    x[t,m] ∈ {0,1}   task t runs on machine m            (only where t may run)
+    x[t,m] ∈ {0,1}   task t runs on machine m            (only for m on a device of D_t)
     o[i,j] ∈ {0,1}   for (i,j) ∈ P: i before j if they share a machine
-    S_t ≥ 0          start of t;      C ≥ 0  makespan
+    S_t ∈ [min_d H[t,d], max_d U − Q[t,d] − w[t,d]]   start of t;      C ≥ 0  makespan
 
 With y[t,d] = Σ_{m ∈ d} x[t,m] and p_t = Σ_m x[t,m] · w[t,d(m)]:
 
-    assign       Σ_m x[t,m] = 1                                           ∀t
-    precedence   S_b ≥ S_a + p_a + Σ_{d'} y[b,d'] · c(a→b, d, d') − M_ad · (1 − y[a,d])     ∀(a,b) ∈ E, d ∈ D
-    order        S_j ≥ S_i + w[i,d(m)] − U · (1 − o_ij) − U · (2 − x[i,m] − x[j,m])      ∀(i,j) ∈ P, m
-                 S_i ≥ S_j + w[j,d(m)] − U · o_ij − U · (2 − x[i,m] − x[j,m])
-    makespan     C ≥ S_t + p_t                                             ∀t
-    load         C ≥ Σ_t x[t,m] · w[t,d(m)]                                 ∀m        (valid, tightens the bound)
-    paths        S_t ≥ head_t,   C ≥ S_t + p_t + tail_t                                  (valid, tightens the bound)
+    assign       Σ_m x[t,m] = 1                                                             ∀t
+    precedence   S_b ≥ S_a + p_a + Σ_{d'≠d} y[b,d'] c(a→b, d, d') − max_{d'≠d} c(a→b, d, d') · (1 − y[a,d])   ∀(a,b) ∈ E, d
+    order        S_j ≥ S_i + w[i,d] − F_ij · (1 − o_ij) − G_ij · (2 − x[i,m] − x[j,m])        ∀(i,j) ∈ P, m = (d, k)
+                 S_i ≥ S_j + w[j,d] − F_ji · o_ij − G_ji · (2 − x[i,m] − x[j,m])
+    head         S_t ≥ Σ_d y[t,d] · H[t,d]                                                  ∀t
+    tail         C ≥ S_t + p_t + Σ_d y[t,d] · Q[t,d]                                        ∀t
+    load         C ≥ Σ_t x[t,m] · w[t,d(m)]                                                 ∀m
+    bound        C ≥ LB   (:func:`orchestrator.dag._bounds.lower_bound`)
     horizon      C ≤ U
 
     minimise C
 
-U is HEFT's makespan: an optimal schedule is no longer, so every start fits
-under it and U is a valid big-M for the order constraints; a precedence
-constraint also has to switch off its own transfer, so
-M_ad = U + max_{d'} c(a→b, d, d'). head_t / tail_t are the longest paths before
-and after t with each task at its fastest device and no communication.
+Big-M values, each the least that keeps every schedule of makespan ≤ U:
+* precedence: in the row of a's own device, S_b ≥ S_a + p_a + (a transfer ≥ 0);
+  so in the row of any other device d the transfer term may be switched off by
+  its own largest value, max_{d'} c(a→b, d, d') (it was U + that before).
+* order: with both on d and j first, S_i + w[i,d] − S_j ≤ (U − Q[i,d]) − H[j,d] =: F_ij;
+  elsewhere S_i + w[i,d] − S_j ≤ (latest S_i) + w[i,d] − (earliest S_j) =: G_ij.
+  When the windows on d cannot overlap (U − Q[i,d] ≤ H[j,d] or the reverse) the
+  head and tail rows already order the two tasks, and both rows are left out.
 
-Why this form and not the seed's time-indexed one: its size does not grow with
-the horizon or a time step. Counted for three random 50-task DAGs on 4
-devices (CCR 1): 805–935 binaries here (200 assignments plus one order
+Measured against the previous form of this model (U = HEFT's makespan after
+local search as the only big-M, heads and tails without communication, no
+device pruning), back to back on the same instances with a 10 s limit: see
+the README's function-DAG section and :mod:`orchestrator.bench._dag`.
+
+Why continuous-time and not the seed's time-indexed form: its size does not
+grow with the horizon or a time step. Counted for three random 50-task DAGs
+on 4 devices (CCR 1): 805–935 binaries here (200 assignments plus one order
 variable per pair of unrelated tasks), against 50 × 4 × 200 = 40,000 for a
-time-indexed model at a step of makespan/200 — and this one starts from
-HEFT's schedule.
+time-indexed model at a step of makespan/200.
 """
 
 from __future__ import annotations
@@ -44,49 +56,47 @@ import time
 import networkx as nx
 import pulp
 
+from orchestrator.dag._bounds import Windows, lower_bound, propagate
 from orchestrator.dag._list_scheduling import heft
-from orchestrator.dag._local_search import improve
+from orchestrator.dag._local_search import search
 from orchestrator.dag._problem import ScheduleProblem
 from orchestrator.dag._schedule import Placement, Schedule
 from orchestrator.solver import solve
 
 
-def _fastest(problem: ScheduleProblem, task: str) -> float:
-    return min(t for t in problem.exec_s[task] if math.isfinite(t))
-
-
-def _heads_tails(problem: ScheduleProblem) -> tuple[dict[str, float], dict[str, float]]:
-    head, tail = {}, {}
-    for t in problem.tasks:
-        head[t] = max((head[p] + _fastest(problem, p) for p in problem.preds(t)), default=0.0)
-    for t in reversed(problem.tasks):
-        tail[t] = max((_fastest(problem, s) + tail[s] for s in problem.succs(t)), default=0.0)
-    return head, tail
+class _OutOfTime(Exception):
+    """The model could not be built in the time left."""
 
 
 class _Model:
     """The MILP above, one method per constraint family, every constraint named."""
 
-    def __init__(self, problem: ScheduleProblem, upper: float):
-        self.problem, self.upper = problem, upper
+    def __init__(self, problem: ScheduleProblem, windows: Windows, *, build_deadline: float = math.inf):
+        self.build_deadline = build_deadline
+        self.problem, self.upper = problem, windows.horizon
+        self.head, self.tail, self.devices = windows.head, windows.tail, windows.allowed
         self.lp = pulp.LpProblem("dag_schedule", pulp.LpMinimize)
         self.machines = [(d, k) for d, n in enumerate(problem.slots) for k in range(n)]
         self.index = {t: i for i, t in enumerate(problem.tasks)}
+        upper, head = self.upper, self.head
         self.x = {
             (t, m): self.lp.add_variable(f"x_{self.index[t]}_{m[0]}_{m[1]}", cat="Binary")
             for t in problem.tasks
             for m in self.machines
-            if math.isfinite(problem.exec_s[t][m[0]])
+            if m[0] in self.devices[t]
         }
-        self.start = {t: self.lp.add_variable(f"S_{self.index[t]}", lowBound=0, upBound=upper) for t in problem.tasks}
+        self.earliest = {t: min(head[t][d] for d in self.devices[t]) for t in problem.tasks}
+        self.latest = {t: max(self.latest_start(t, d) for d in self.devices[t]) for t in problem.tasks}
+        self.start = {
+            t: self.lp.add_variable(f"S_{self.index[t]}", lowBound=self.earliest[t], upBound=self.latest[t])
+            for t in problem.tasks
+        }
         self.makespan = self.lp.add_variable("C", lowBound=0, upBound=upper)
         closure = nx.transitive_closure_dag(problem.graph)
         self.pairs = [
             (i, j)
             for i, j in itertools.combinations(problem.tasks, 2)
-            if not closure.has_edge(i, j)
-            and not closure.has_edge(j, i)
-            and set(problem.allowed(i)) & set(problem.allowed(j))
+            if not closure.has_edge(i, j) and not closure.has_edge(j, i) and set(self.devices[i]) & set(self.devices[j])
         ]
         self.order = {
             (i, j): self.lp.add_variable(f"o_{self.index[i]}_{self.index[j]}", cat="Binary") for i, j in self.pairs
@@ -97,6 +107,10 @@ class _Model:
             self.x_of[t].append((m, var))
         self._on_device: dict = {}
         self._duration: dict = {}
+
+    def latest_start(self, t: str, d: int) -> float:
+        """The latest t can start on d in a schedule of makespan ≤ U."""
+        return self.upper - self.tail[t][d] - self.problem.exec_s[t][d]
 
     def on_device(self, t: str, d: int):
         """y[t,d]: 1 if t runs on device d (any of its slots)."""
@@ -112,18 +126,16 @@ class _Model:
 
     def add_assignment(self) -> None:
         for t in self.problem.tasks:
-            self.lp += (
-                pulp.lpSum(self.x[t, m] for m in self.machines if (t, m) in self.x) == 1,
-                f"assign_{self.index[t]}",
-            )
+            self.lp += pulp.lpSum(var for _, var in self.x_of[t]) == 1, f"assign_{self.index[t]}"
 
     def add_precedence(self) -> None:
         prob = self.problem
         for a, b in prob.edges:
-            for d in prob.allowed(a):
-                transfers = {d2: prob.transfer_s((a, b), d, d2) for d2 in prob.allowed(b) if d2 != d}
+            for d in self.devices[a]:
+                transfers = {d2: prob.transfer_s((a, b), d, d2) for d2 in self.devices[b] if d2 != d}
                 arrival = pulp.lpSum(self.on_device(b, d2) * c for d2, c in transfers.items())
-                big_m = self.upper + max(transfers.values(), default=0.0)  # S_a + p_a ≤ U and S_b ≥ 0
+                # off d, the row for a's own device already gives S_b ≥ S_a + p_a + (a transfer ≥ 0)
+                big_m = max(transfers.values(), default=0.0)
                 self.lp += (
                     self.start[b] >= self.start[a] + self.duration(a) + arrival - big_m * (1 - self.on_device(a, d)),
                     f"precedence_{self.index[a]}_{self.index[b]}_{d}",
@@ -132,22 +144,40 @@ class _Model:
     def add_order(self) -> None:
         prob, u = self.problem, self.upper
         for (i, j), before in self.order.items():
+            if time.perf_counter() > self.build_deadline:
+                raise _OutOfTime
             for m in self.machines:
                 if (i, m) not in self.x or (j, m) not in self.x:
                     continue
-                both = 2 - self.x[i, m] - self.x[j, m]
-                wi, wj = prob.exec_s[i][m[0]], prob.exec_s[j][m[0]]
-                tag = f"{self.index[i]}_{self.index[j]}_{m[0]}_{m[1]}"
-                self.lp += self.start[j] >= self.start[i] + wi - u * (1 - before) - u * both, f"order_a_{tag}"
-                self.lp += self.start[i] >= self.start[j] + wj - u * before - u * both, f"order_b_{tag}"
+                d = m[0]
+                if u - self.tail[i][d] <= self.head[j][d] or u - self.tail[j][d] <= self.head[i][d]:
+                    continue  # windows on d do not overlap: the head and tail rows already order them
+                wi, wj = prob.exec_s[i][d], prob.exec_s[j][d]
+                # S_i + w_i − S_j is at most (U − Q_i) − H_j with both on d, and at most
+                # latest S_i + w_i − earliest S_j wherever they run
+                flip_ij = max(0.0, u - self.tail[i][d] - self.head[j][d])
+                flip_ji = max(0.0, u - self.tail[j][d] - self.head[i][d])
+                off_ij = max(0.0, self.latest[i] + wi - self.earliest[j])
+                off_ji = max(0.0, self.latest[j] + wj - self.earliest[i])
+                tag = f"{self.index[i]}_{self.index[j]}_{d}_{m[1]}"
+                xi, xj, si, sj = self.x[i, m], self.x[j, m], self.start[i], self.start[j]
+                # the two rows above, expanded (built directly: PuLP's operators dominate the build time)
+                a = pulp.LpAffineExpression([(sj, 1), (si, -1), (before, -flip_ij), (xi, -off_ij), (xj, -off_ij)])
+                b = pulp.LpAffineExpression([(si, 1), (sj, -1), (before, flip_ji), (xi, -off_ji), (xj, -off_ji)])
+                self.lp.addConstraint(
+                    pulp.LpConstraint(a, pulp.LpConstraintGE, rhs=wi - flip_ij - 2 * off_ij), f"order_a_{tag}"
+                )
+                self.lp.addConstraint(pulp.LpConstraint(b, pulp.LpConstraintGE, rhs=wj - 2 * off_ji), f"order_b_{tag}")
 
-    def add_makespan(self) -> None:
-        head, tail = _heads_tails(self.problem)
-        for t in self.problem.tasks:
+    def add_makespan(self, bound: float) -> None:
+        prob = self.problem
+        for t in prob.tasks:
             k = self.index[t]
-            self.lp += self.makespan >= self.start[t] + self.duration(t), f"makespan_{k}"
-            self.lp += self.start[t] >= head[t], f"head_{k}"
-            self.lp += self.makespan >= self.start[t] + self.duration(t) + tail[t], f"tail_{k}"
+            head = pulp.lpSum(self.on_device(t, d) * self.head[t][d] for d in self.devices[t])
+            tail = pulp.lpSum(self.on_device(t, d) * self.tail[t][d] for d in self.devices[t])
+            self.lp += self.start[t] >= head, f"head_{k}"
+            self.lp += self.makespan >= self.start[t] + self.duration(t) + tail, f"tail_{k}"
+        self.lp += self.makespan >= bound, "lower_bound"
 
     def add_load(self) -> None:
         on_machine: dict = {m: [] for m in self.machines}
@@ -199,44 +229,90 @@ def _tighten(problem: ScheduleProblem, placements: dict[str, Placement]) -> dict
     return out
 
 
+def _fits(schedule: Schedule, windows: Windows) -> bool:
+    """``schedule`` is a solution of the model built on ``windows`` (it always is, up to rounding)."""
+    if windows.refuted:
+        return False
+    for t, p in schedule.placements.items():
+        if p.device not in windows.allowed[t] or p.start_s < windows.head[t][p.device] - 1e-9 * windows.horizon:
+            return False
+    return True
+
+
 def milp(
     problem: ScheduleProblem,
     *,
     time_limit_s: float = 10.0,
     gap: float = 1e-4,
-    search_share: float = 0.25,
+    search_share: float = 0.35,
+    bound_share: float = 0.15,
     msg: bool = False,
 ) -> Schedule:
     """The optimal schedule (or the best found within ``time_limit_s``), with its certified gap.
 
-    HEFT's schedule, improved by single-task moves for ``search_share`` of the
-    time limit, is the solver's start and horizon; it is returned if the
-    solver finds nothing better, so the result is never worse than HEFT.
+    1. Start: the best list schedule found from HEFT's priorities by
+       :func:`~orchestrator.dag._local_search.search` in ``search_share`` of the time
+       (HEFT's own schedule is its first candidate, so the result is never worse than HEFT).
+    2. Bound: path and load bounds with communication, raised by refuting
+       horizons (:func:`~orchestrator.dag._bounds.lower_bound`) in ``bound_share`` of the time.
+    3. The MILP over the devices and windows left at the start's makespan U,
+       from the start, for the rest of the time; skipped when the bound already
+       meets the start within ``gap``.
+
+    The certified bound is the larger of the solver's dual bound and step 2's
+    (each proven on its own); gap = (makespan − bound) / makespan.
     """
     start = time.perf_counter()
+    deadline = start + 0.97 * time_limit_s - 0.1  # 3% and 0.1 s in reserve
     first = heft(problem)
-    incumbent = improve(problem, first, time_limit_s=search_share * time_limit_s) if search_share > 0 else first
-    model = _Model(problem, upper=incumbent.makespan * (1 + 1e-9) + 1e-12)
-    model.add_assignment()
-    model.add_precedence()
-    model.add_order()
-    model.add_makespan()
-    model.add_load()
-    model.start_from(incumbent)
-    elapsed = time.perf_counter() - start
-    build_s = elapsed - (search_share * time_limit_s if search_share > 0 else 0.0)
-    # PuLP hands the model to HiGHS and reads it back outside HiGHS's own clock
-    # (measured for 100 tasks × 8 devices: 1.0 s after a 2.9 s build): keep half
-    # the build time, 0.3 s and 5% in reserve so the whole call stays within the limit
-    remaining = max(0.1, 0.95 * (time_limit_s - elapsed) - 0.5 * max(0.0, build_s) - 0.3)
-    result = solve(model.lp, time_limit_s=remaining, gap=gap, use_start=True, msg=msg)
-    placements = incumbent.placements
-    if result.has_solution:
-        candidate = _tighten(problem, model.read())
-        if max(p.finish_s for p in candidate.values()) < incumbent.makespan:
-            placements = candidate
+    incumbent = first
+    if search_share > 0:
+        found = search(problem, time_limit_s=search_share * time_limit_s)
+        incumbent = found if found.makespan < first.makespan else first
+    bound_s = min(bound_share * time_limit_s, deadline - time.perf_counter())
+    bound = lower_bound(problem, upper=incumbent.makespan, time_limit_s=bound_s)
+    placements, status = incumbent.placements, "Optimal (bound met)"
+    if bound < incumbent.makespan * (1 - gap):
+        horizon = incumbent.makespan * (1 + 1e-9) + 1e-12
+        windows = propagate(problem, horizon)
+        if not _fits(incumbent, windows):  # rounding in the bounds: fall back to windows without pruning
+            windows = propagate(problem, math.inf)
+            windows = Windows(
+                horizon=horizon, allowed=windows.allowed, head=windows.head, tail=windows.tail, refuted=False
+            )
+        # for 100 tasks × 8 devices (37,000 rows) handing the model to HiGHS took 0.3 s,
+        # reading the solution back 0.4 s, and HiGHS overran its limit by 0.3 s (load 5 on 2 cores)
+        model = _Model(problem, windows, build_deadline=deadline - 1.0)
+        try:
+            model.add_assignment()
+            model.add_precedence()
+            model.add_order()
+            model.add_makespan(bound)
+            model.add_load()
+        except _OutOfTime:
+            model = None
+            status = "Time limit reached (before the solver)"
+        if model is not None:
+            model.start_from(incumbent)
+            solver_deadline = deadline - 0.3 - 2e-5 * model.lp.numConstraints()
+            result = solve(
+                model.lp,
+                time_limit_s=max(0.05, solver_deadline - time.perf_counter()),
+                gap=gap,
+                use_start=True,
+                msg=msg,
+                deadline_s=solver_deadline,
+                bulk_load=True,
+            )
+            status = result.status
+            if result.has_solution:
+                candidate = _tighten(problem, model.read())
+                if max(p.finish_s for p in candidate.values()) < incumbent.makespan:
+                    placements = candidate
+            if math.isfinite(result.bound):
+                bound = max(bound, result.bound)
     makespan = max(p.finish_s for p in placements.values())
-    bound = min(result.bound, makespan) if math.isfinite(result.bound) else 0.0
+    bound = min(bound, makespan)
     return Schedule(
         problem=problem,
         placements=placements,
@@ -244,5 +320,5 @@ def milp(
         bound=bound,
         gap=0.0 if makespan <= 0 else (makespan - bound) / makespan,
         solve_s=time.perf_counter() - start,
-        status=result.status,
+        status=status,
     )

@@ -65,6 +65,12 @@ class ScheduleProblem:
         g.add_edges_from(self.edges)
         return g
 
+    @cached_property
+    def transfers(self) -> dict[tuple[str, str], tuple[tuple[float, ...], ...]]:
+        """Edge → its transfer time from each device (row) to each device (column), computed once."""
+        n = range(len(self.devices))
+        return {e: tuple(tuple(self.transfer_s(e, a, b) for b in n) for a in n) for e in self.edges}
+
     def preds(self, task: str) -> list[str]:
         return list(self.graph.predecessors(task))
 
