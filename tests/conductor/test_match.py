@@ -162,8 +162,8 @@ def test_plain_linear_recurrence_goes_parallel_only_where_it_pays():
 
     ks = jax.random.split(jax.random.key(0), 3)
     args = (
-        jax.random.uniform(ks[0], (256, 4, 8)),
-        jax.random.normal(ks[1], (256, 4, 8)),
+        jax.random.uniform(ks[0], (128, 4, 8)),
+        jax.random.normal(ks[1], (128, 4, 8)),
         jax.random.normal(ks[2], (4, 8)),
     )
     ((match, on_cpu),) = conductor.inspect(ema, *args)
