@@ -85,11 +85,17 @@ def _allocate(
         picked: list[str] = []
         for refs in sorted(hosts, key=len, reverse=group.size > min(len(h) for h in hosts)):
             take = min(len(refs), group.size - len(picked))
-            if group.size <= len(refs) or take == len(refs):
+            take -= take % group.tp  # a tensor-parallel group never spans two hosts
+            if take and (group.size <= len(refs) or take == len(refs) - len(refs) % group.tp):
                 picked += refs[:take]
                 del refs[:take]
             if len(picked) == group.size:
                 break
+        if len(picked) < group.size:
+            raise PlanInfeasible(
+                f"cannot place {group.size} {group.device_type} devices with tensor parallelism {group.tp} inside "
+                "hosts: too many devices are out of service on partly available hosts (mark whole hosts unavailable)"
+            )
         out[index] = tuple(picked)
     return out  # type: ignore[return-value]
 
