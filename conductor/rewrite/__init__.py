@@ -46,6 +46,10 @@ def _is_array(x) -> bool:
     return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct) or isinstance(x, jax.core.Tracer)
 
 
+def _is_train_state(x) -> bool:
+    return callable(getattr(x, "apply_fn", None)) and hasattr(x, "replace") and hasattr(x, "params")
+
+
 def _split(args, kwargs):
     leaves, tree = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
@@ -57,7 +61,9 @@ def optimize(fn: Callable, *, policy: Policy | None = None) -> Callable:
     """``fn`` with its attention and selective scans rewritten into kernels where the policy allows.
 
     Args:
-      fn: any JAX function of arrays (a loss of (params, batch), a Flax ``apply``, a forward).
+      fn: any JAX function of arrays (a loss of (params, batch), a Flax ``apply``, a forward), or a
+        train step taking a flax ``TrainState``: then the state's ``apply_fn`` is what gets rewritten
+        (a traced step already holds its backward pass, which re-tracing cannot swap for a kernel's VJP).
         Non-array leaves of the arguments are treated as static.
       policy: what may be rewritten and how (:class:`conductor.Policy`).
     Returns:
@@ -96,8 +102,18 @@ def optimize(fn: Callable, *, policy: Policy | None = None) -> Callable:
             cache[key] = _Entry(closed, out_tree, chosen, found)
         return cache[key], [leaves[i] for i in dynamic]
 
+    apply_cache: dict = {}
+
+    def with_optimized_apply(x):
+        # A flax TrainState: rewrite the model (apply_fn), so the step's own jax.grad runs the kernels' VJPs.
+        if apply_cache.get("fn") is not x.apply_fn:
+            apply_cache["fn"], apply_cache["optimized"] = x.apply_fn, optimize(x.apply_fn, policy=policy)
+        return x.replace(apply_fn=apply_cache["optimized"])
+
     @functools.wraps(fn)
     def optimized(*args, **kwargs):
+        if any(_is_train_state(a) for a in args):
+            return fn(*[with_optimized_apply(a) if _is_train_state(a) else a for a in args], **kwargs)
         entry, xs = entry_for(args, kwargs)
         closed = entry.closed
         outs = evaluate(closed.jaxpr, closed.consts, xs, plan=entry.plan)

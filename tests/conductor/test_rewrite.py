@@ -121,3 +121,15 @@ def test_capture_of_the_rewritten_step_sees_the_kernel_costs():
     assert [layer.name for layer in fast_layers.layers] == [layer.name for layer in plain_layers.layers]
     plain_block, fast_block = plain_layers.layers[1], fast_layers.layers[1]
     assert fast_block.backward_flops > plain_block.backward_flops  # flash recomputes the scores in the backward
+
+
+def test_optimize_of_a_train_step_rewrites_the_model_inside():
+    r = get_recipe("gpt-tiny")
+    state = r.create_state(jax.random.key(0))
+    batch = synthetic_batch(jax.random.key(1), 2, 64, r.config.vocab_size)
+    fast_step = conductor.optimize(train_step, policy=FORCE)
+    assert "f32[2,4,64,64]" in str(jax.make_jaxpr(train_step)(state, batch))  # (batch, heads, T, T) scores
+    assert "f32[2,4,64,64]" not in str(jax.make_jaxpr(fast_step)(state, batch))
+    _, plain = jax.jit(train_step)(state, batch)
+    _, fast = jax.jit(fast_step)(state, batch)
+    np.testing.assert_allclose(float(fast["loss"]), float(plain["loss"]), atol=1e-5)
