@@ -113,7 +113,14 @@ def optimize(fn: Callable, *, policy: Policy | None = None) -> Callable:
     @functools.wraps(fn)
     def optimized(*args, **kwargs):
         if any(_is_train_state(a) for a in args):
-            return fn(*[with_optimized_apply(a) if _is_train_state(a) else a for a in args], **kwargs)
+            out = fn(*[with_optimized_apply(a) if _is_train_state(a) else a for a in args], **kwargs)
+
+            def restore(x):  # hand back states with the caller's apply_fn: same pytree metadata in and out
+                if _is_train_state(x) and x.apply_fn is apply_cache.get("optimized"):
+                    return x.replace(apply_fn=apply_cache["fn"])
+                return x
+
+            return jax.tree.map(restore, out, is_leaf=_is_train_state)
         entry, xs = entry_for(args, kwargs)
         closed = entry.closed
         outs = evaluate(closed.jaxpr, closed.consts, xs, plan=entry.plan)
