@@ -32,10 +32,15 @@ forward and one backward, then drains. The per-stage lists are merged into one
 dispatch order that respects dependencies; jax dispatches asynchronously, so
 stages on disjoint devices overlap.
 
-**Data parallelism inside a stage** is XLA's: the stage programs see the
-microbatch split over ``"data"`` and the parameters replicated over it, so the
-backward program all-reduces each microbatch's gradients (M syncs per step, not
-one: a known cost of this executor).
+**Data parallelism inside a stage** with dp > 1: the stage is cut from the
+step traced at the per-replica microbatch (b/dp samples), and its forward and
+backward run under ``jax.shard_map`` with ``"data"`` manual and ``"model"``
+left to XLA (tensor parallelism by the parameters' shardings). Each replica
+accumulates its own gradients into a buffer with a leading replica axis; the
+update sums that axis, which is the step's one gradient all-reduce. Batch-major
+activations cross stages split over ``"data"``; a replicated activation's
+cotangent is summed over replicas (``psum``) by its consumer and split 1/dp
+per replica by its producer.
 """
 
 from __future__ import annotations
@@ -124,6 +129,8 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
     n = len(plan.stages)
     eqns: list[list] = [[] for _ in range(n)]
     producer: dict[object, int] = {}
+    # Activations are keyed by (flat equation, output) position, the same in traces at any batch size.
+    position = {v: (i, j) for i, item in enumerate(sliced.flat) for j, v in enumerate(item.eqn.outvars)}
     for item, names in zip(sliced.flat, sliced.ops_of):
         phases = {graph.op(name).phase for name in names}
         if phases != {"forward"}:
@@ -166,7 +173,7 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
                         f"stage {s} reads a value of later stage {producer[atom]}: stages must be in order"
                     )
                 var_inputs.append(atom)
-                kinds.append(("act", producer[atom], atom))
+                kinds.append(("act", producer[atom], position[atom]))
             else:
                 raise ValueError(f"stage {s} reads a value no forward op produces ({atom.aval})")
         programs.append((s, const_inputs, var_inputs, kinds))
@@ -185,8 +192,8 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
         )
         jaxpr = jcore.Jaxpr(const_inputs, var_inputs, outputs, eqns[s], debug_info=debug)
         closed = jcore.ClosedJaxpr(jaxpr, [sliced.consts[a] for a in const_inputs])
-        keys = ["loss" if v is loss_var else v for v in outputs]
-        consumers = {v: [t for t in range(s + 1, n) if v in reads[t]] for v in outputs if v is not loss_var}
+        keys = ["loss" if v is loss_var else position[v] for v in outputs]
+        consumers = {position[v]: [t for t in range(s + 1, n) if v in reads[t]] for v in outputs if v is not loss_var}
         out.append(StageProgram(index=s, closed=closed, inputs=kinds, outputs=keys, consumers=consumers))
     return out
 
@@ -260,13 +267,20 @@ class Pipeline:
         if len(sizes) != 1 or next(iter(sizes)) % m:
             raise ValueError(f"every batch leaf needs a leading dim divisible by {m} microbatches, got sizes {sizes}")
         micro = next(iter(sizes)) // m
-        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct((micro, *np.shape(x)[1:]), x.dtype), batch)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        programs = cut_stages(self.train_step, abstract, spec, plan=self.plan, layers=self.layers)
-        fns = [self._stage_fns(p) for p in programs]
+        cuts = {}  # data-parallel degree → the step cut at the per-replica microbatch
+        for stage in self.plan.stages:
+            if micro % stage.dp:
+                raise ValueError(f"a microbatch of {micro} samples does not split over dp={stage.dp} replicas")
+            if stage.dp not in cuts:
+                local = micro // stage.dp
+                spec = jax.tree.map(lambda x, b=local: jax.ShapeDtypeStruct((b, *np.shape(x)[1:]), x.dtype), batch)
+                cuts[stage.dp] = cut_stages(self.train_step, abstract, spec, plan=self.plan, layers=self.layers)
+        programs = [cuts[stage.dp][s] for s, stage in enumerate(self.plan.stages)]
+        fns = [self._stage_fns(p, micro // self.plan.stages[p.index].dp) for p in programs]
         return micro, programs, fns
 
-    def _stage_fns(self, program: StageProgram):
+    def _stage_fns(self, program: StageProgram, local_batch: int):
         fun = jcore.jaxpr_as_fun(program.closed)
         avals = program.closed.in_avals
         diff = [
@@ -308,20 +322,104 @@ class Pipeline:
             (grads,) = vjp([cts[i] for i in diff_out])
             return accumulate(grads, acc)
 
-        recompute = self.plan.stages[program.index].recompute
-        return {
+        stage = self.plan.stages[program.index]
+        recompute, dp = stage.recompute, stage.dp
+        fns = {
             "diff": diff,
             "param_inputs": [diff[j] for j in params],
             "act_inputs": [i for j, i in enumerate(diff) if j not in params],
-            "forward": jax.jit(forward_only if recompute else forward),
-            "backward": jax.jit(backward_recompute if recompute else backward, donate_argnums=(2,)),
             "recompute": recompute,
             "out_avals": out_avals,
+            "dp": dp,
         }
+        if dp == 1:
+            fns["forward"] = jax.jit(forward_only if recompute else forward)
+            fns["backward"] = jax.jit(backward_recompute if recompute else backward, donate_argnums=(2,))
+            return fns
+
+        # dp > 1: "data" is manual (shard_map), "model" stays with XLA. Each replica computes its own
+        # gradients into an accumulator with a leading replica axis; the update sums it: one sync per step.
+        def batch_major(aval) -> bool:
+            return aval.ndim >= 1 and aval.shape[0] == local_batch
+
+        in_specs = [
+            P() if kind[0] == "param" else P(DATA) if kind[0] == "batch" or batch_major(aval) else P()
+            for kind, aval in zip(program.inputs, avals)
+        ]
+        out_specs = [
+            P(DATA) if key == "loss" or batch_major(aval) else P() for key, aval in zip(program.outputs, out_avals)
+        ]
+        ct_specs = [P() if key == "loss" else spec for key, spec in zip(program.outputs, out_specs)]
+        act_specs = [in_specs[i] for i in fns["act_inputs"]]
+        treedef: dict = {}
+
+        def lift(outs):
+            return [o[None] if key == "loss" else o for o, key in zip(outs, program.outputs)]
+
+        def local_cts(cts):
+            # a replicated activation's cotangent is the whole one: each replica takes 1/dp of it
+            return [
+                c if spec == P(DATA) or key == "loss" else c / dp
+                for c, spec, key in zip(cts, ct_specs, program.outputs)
+            ]
+
+        def finish(grads, acc):
+            new = [a + grads[j][None] for a, j in zip(acc, params)]
+            act = [g for j, g in enumerate(grads) if j not in params]
+            return new, [g if spec == P(DATA) else jax.lax.psum(g, DATA) for g, spec in zip(act, act_specs)]
+
+        def sm_forward(args):
+            outs, vjp = forward(args)
+            leaves, treedef["vjp"] = jax.tree_util.tree_flatten(vjp)
+            return lift(outs), [x[None] for x in leaves]
+
+        def sm_forward_only(args):
+            return lift(fun(*args))
+
+        def sm_backward(residuals, cts, acc):
+            vjp = jax.tree_util.tree_unflatten(treedef["vjp"], [x[0] for x in residuals])
+            (grads,) = vjp([local_cts(cts)[i] for i in diff_out])
+            return finish(grads, [a[0] for a in acc])
+
+        def sm_backward_recompute(args, cts, acc):
+            _, vjp, _ = jax.vjp(lambda d: run(d, args), split(args), has_aux=True)
+            (grads,) = vjp([local_cts(cts)[i] for i in diff_out])
+            return finish(grads, [a[0] for a in acc])
+
+        mesh = self.meshes[program.index]
+
+        def manual(fn, in_specs, out_specs):
+            return jax.shard_map(
+                fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA}, check_vma=False
+            )
+
+        if recompute:
+            fns["forward"] = jax.jit(manual(sm_forward_only, (in_specs,), out_specs))
+            backward_fn = manual(sm_backward_recompute, (in_specs, ct_specs, P(DATA)), (P(DATA), act_specs))
+        else:
+            fns["forward"] = jax.jit(manual(sm_forward, (in_specs,), (out_specs, P(DATA))))
+            backward_fn = manual(sm_backward, (P(DATA), ct_specs, P(DATA)), (P(DATA), act_specs))
+        fns["backward"] = jax.jit(backward_fn, donate_argnums=(2,))
+        return fns
+
+    @staticmethod
+    def _zeros(like, sharding: NamedSharding, dp: int) -> jax.Array:
+        """A zero gradient accumulator for a parameter: with a leading replica axis when dp > 1."""
+        if dp == 1:
+            return jax.device_put(np.zeros(like.shape, like.dtype), sharding)
+        stacked = NamedSharding(sharding.mesh, P(DATA, *sharding.spec))
+        return jax.device_put(np.zeros((dp, *like.shape), like.dtype), stacked)
 
     def _update_fn(self, s: int):
+        stacked = self.plan.stages[s].dp > 1
+
         def update(state, grads, extra):
-            """``extra``: path → gradient contributions of other stages reading this stage's parameters."""
+            """``extra``: path → gradient contributions of other stages reading this stage's parameters.
+
+            Gradients of a data-parallel stage carry a leading replica axis: summing it is the step's one sync.
+            """
+            if stacked:
+                grads = jax.tree.map(lambda g: g.sum(0), grads)
             grads = jax.tree_util.tree_map_with_path(
                 lambda path, g: g + sum(extra.get(param_path_name(path), [])), grads
             )
@@ -401,10 +499,7 @@ class Pipeline:
             shardings = [args[i].sharding for i in f["param_inputs"]]
 
             def once(args=args, cts=cts, f=f, shardings=shardings):
-                acc = [
-                    jax.device_put(np.zeros(args[i].shape, args[i].dtype), sh)
-                    for i, sh in zip(f["param_inputs"], shardings)
-                ]
+                acc = [self._zeros(args[i], sh, f["dp"]) for i, sh in zip(f["param_inputs"], shardings)]
                 jax.block_until_ready(acc)
                 start = time.perf_counter()
                 if f["recompute"]:
@@ -518,15 +613,16 @@ class Pipeline:
             out_cts = []
             for key, aval in zip(p.outputs, f["out_avals"]):
                 if key == "loss":
-                    seed = np.full(aval.shape, 1.0 / m, aval.dtype)
+                    seed = np.full(aval.shape, 1.0 / (m * f["dp"]), aval.dtype)
                     out_cts.append(put(seed, NamedSharding(self.meshes[s], P())))
                 else:
                     out_cts.append(cts.pop((s, mb, key)))
             saved = residuals.pop((s, mb))
             acc = accumulated[s]
             if acc is None:
+                self.dispatches += len(f["param_inputs"])
                 acc = [
-                    put(np.zeros(p.closed.in_avals[i].shape, p.closed.in_avals[i].dtype), sharding)
+                    self._zeros(stage_params[s][p.inputs[i][1]], sharding, f["dp"])
                     for i, sharding in zip(f["param_inputs"], param_shardings[s])
                 ]
             if mb == 0:
@@ -575,6 +671,9 @@ class Pipeline:
                 if owner == s:
                     grads[s][path] = g
                 else:
+                    if fns[s]["dp"] > 1:  # this stage's replicas sync their share before it moves
+                        self._note(s, "update", _sum0, (g,))
+                        g = call(_sum0, g)
                     g = put(g, self.param_sharding(owner, path, g.shape))
                     extra[owner].setdefault(path, []).append(g)
 
@@ -595,7 +694,7 @@ class Pipeline:
                 lambda path, leaf, s=s: (
                     (grads[s].get(param_path_name(path), None) if self.owners[param_path_name(path)] == s else None)
                     if self.owners[param_path_name(path)] != s or param_path_name(path) in grads[s]
-                    else put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+                    else self._zeros(leaf, leaf.sharding, plan.stages[s].dp)
                 ),
                 state.params,
             )
@@ -612,3 +711,8 @@ class Pipeline:
 @jax.jit
 def _add(a, b):
     return a + b
+
+
+@jax.jit
+def _sum0(a):
+    return a.sum(0)
