@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/orchestrator graph --recipe gpt2-small
+	$(BIN)/orchestrator demo --out demo-out
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
