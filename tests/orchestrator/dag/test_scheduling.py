@@ -96,3 +96,12 @@ def test_bad_problems_are_refused():
         problem_from_costs({"a": [1.0], "b": [1.0]}, {("a", "b"): 1, ("b", "a"): 1})
     with pytest.raises(ValueError, match="at most"):
         exhaustive(random_problem(tasks=12, devices=2, seed=0))
+
+
+def test_a_one_second_limit_still_leaves_the_solver_its_time():
+    problem = random_problem(
+        tasks=7, devices=3, ccr=1.0, seed=1
+    )  # the start (HEFT and the search: 193.2) is 7% above the optimum (179.9)
+    found = milp(problem, time_limit_s=1)
+    assert found.status == "Optimal" and found.solve_s <= 1.0
+    assert found.makespan == pytest.approx(exhaustive(problem).makespan, rel=1e-6)
