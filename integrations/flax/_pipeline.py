@@ -489,12 +489,14 @@ class Pipeline:
             for k, value in zip(p.outputs, outs):
                 for t in p.consumers.get(k, []):
                     acts[(t, k)] = jax.device_put(value, self.act_sharding(t, value, micro))
-            cts = [
+            cts = [  # ones shaped like the (global) outputs; the loss's seed 1/(M·dp) as in a step
                 jax.device_put(
-                    np.full(a.shape, 1.0 / self.plan.microbatches if k == "loss" else 1.0, a.dtype),
-                    NamedSharding(self.meshes[s], P()) if k == "loss" else self.act_sharding(s, a, micro),
+                    np.full(a.shape, 1.0 / (self.plan.microbatches * f["dp"]), a.dtype),
+                    NamedSharding(self.meshes[s], P()),
                 )
-                for k, a in zip(p.outputs, f["out_avals"])
+                if k == "loss"
+                else jax.device_put(np.ones(o.shape, o.dtype), o.sharding)
+                for k, a, o in zip(p.outputs, f["out_avals"], outs)
             ]
             shardings = [args[i].sharding for i in f["param_inputs"]]
 
