@@ -225,14 +225,11 @@ def plan(
         if best is not None and not warm:
             # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
             sub.lp += sub.lp.objective <= best[0].iteration_s * MS * (1 - 1e-9), "better_than_incumbent"
-        share = max(0.2, remaining / (len(candidates) - index))
         result = solve(
             sub.lp,
-            time_limit_s=share,
+            time_limit_s=max(0.2, remaining / (len(candidates) - index)),
             gap=gap,
             use_start=warm,
-            bulk_load=True,
-            deadline_s=time.perf_counter() + share,
         )
         log.debug(
             "M=%d: %d columns, %d rows, built in %.2f s; %s in %.2f s, objective %.6g ms, bound %.6g ms",
