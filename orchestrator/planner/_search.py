@@ -8,10 +8,13 @@ smallest of the per-(S, M) bounds, so the gap covers the whole search space.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
+
+import pulp
 
 from orchestrator.cluster import Cluster, Link
 from orchestrator.costs import CostModel
@@ -98,6 +101,21 @@ def _allocate(
             )
         out[index] = tuple(picked)
     return out  # type: ignore[return-value]
+
+
+def _relaxation_bound(lp, *, time_limit_s: float) -> float:
+    """The LP relaxation's optimum: a lower bound when the MIP search stopped before its root
+    bound was known (HiGHS then reports none)."""
+    kinds = {v.name: v.cat for v in lp.variables()}
+    values = {v.name: v.varValue for v in lp.variables()}
+    for v in lp.variables():
+        v.cat = pulp.LpContinuous
+    try:
+        relaxed = solve(lp, time_limit_s=time_limit_s, gap=0.0)
+    finally:
+        for v in lp.variables():
+            v.cat, v.varValue = kinds[v.name], values[v.name]
+    return relaxed.bound if relaxed.status == "Optimal" else -math.inf
 
 
 def _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute, deadline=None):
@@ -242,6 +260,8 @@ def plan(
             result.objective,
             result.bound,
         )
+        if not math.isfinite(result.bound) and result.status != "Infeasible":
+            result = dataclasses.replace(result, bound=_relaxation_bound(sub.lp, time_limit_s=max(0.5, remaining / 4)))
         bound = max(result.bound / MS, sub.simple_bound_s())
         if not result.has_solution:
             # "Infeasible" under a cutoff means: nothing better than the incumbent for this M
