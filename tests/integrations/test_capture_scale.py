@@ -1,8 +1,10 @@
 """Capturing the 175B GPT train step: under 30 s and 2 GiB peak RSS (issue 2)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from recipes import get_recipe
 
@@ -10,6 +12,8 @@ from recipes import get_recipe
 def get_recipe_param_count() -> int:
     return get_recipe("gpt-175b").config.param_count()
 
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, resource, time
@@ -30,7 +34,12 @@ print(json.dumps({
 
 
 def test_capture_175b_is_fast_and_small():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True).stdout
+    # a clean environment: what earlier tests exported (XLA dump flags and the like) must not leak in
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "PYTHONPATH") if k in os.environ}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, env=env, cwd=ROOT
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     print(result)
     assert result["layers"] == 96 + 2
