@@ -15,9 +15,15 @@ def get_recipe_param_count() -> int:
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = """
-import json, resource, time
+SCRIPT = r"""
+import json, re, time
 t0 = time.perf_counter()
+
+def peak_rss_bytes():
+    # VmHWM: this program's own peak. ru_maxrss would carry the parent's peak across fork + exec.
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read())[1]) * 1024
+
 from integrations.flax import capture
 from orchestrator.coarsen import coarsen
 from recipes import get_recipe
@@ -27,7 +33,7 @@ graph = capture(recipe.train_step, state, recipe.batch_spec())
 layers = coarsen(graph)
 print(json.dumps({
     "seconds": time.perf_counter() - t0,
-    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "peak_rss_bytes": peak_rss_bytes(),
     "ops": len(graph), "layers": len(layers), "param_bytes": graph.param_bytes,
 }))
 """
