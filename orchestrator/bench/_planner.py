@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from orchestrator.baselines import BASELINES
 from orchestrator.bench._synthetic import random_instance
-from orchestrator.planner import PlanInfeasible, plan
+from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
 from orchestrator.planner._exhaustive import exhaustive_plan
 
 RANDOM = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages": 3}
@@ -80,7 +80,7 @@ def run_suite(*, time_limit_s: float = 10.0, quick: bool = False, progress=None)
         started = time.perf_counter()
         try:
             found = plan(model, time_limit_s=time_limit_s, gap=1e-2 if not enumerable else 1e-6, **settings)
-        except PlanInfeasible as error:
+        except (PlanInfeasible, PlanNotFound) as error:
             rows.append({"name": name, "ilp": None, "infeasible": str(error), "baselines": {}, "exhaustive": None})
             continue
         elapsed = time.perf_counter() - started

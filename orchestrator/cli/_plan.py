@@ -32,7 +32,7 @@ def plan_command(
     from orchestrator.cluster import ClusterError, load_cluster
     from orchestrator.coarsen import coarsen
     from orchestrator.costs import CostModel
-    from orchestrator.planner import PlanInfeasible, plan
+    from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
     from recipes import RECIPES
 
     if recipe not in RECIPES:
@@ -54,7 +54,7 @@ def plan_command(
             result = plan(
                 model, global_batch=batch, schedule=schedule, max_stages=max_stages, time_limit_s=time_limit_s
             )
-        except PlanInfeasible as error:
+        except (PlanInfeasible, PlanNotFound) as error:
             fail(str(error))
     result = dataclasses.replace(result, source={"recipe": recipe, "cluster": cluster, "seq": seq})
     if output:

@@ -15,6 +15,10 @@ class PlanInfeasible(ValueError):
     """No plan fits: the message names the binding constraint and what would make one exist."""
 
 
+class PlanNotFound(RuntimeError):
+    """The time limit ran out before a plan was found or proven impossible."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stage:
     """One pipeline stage.

@@ -22,7 +22,7 @@ from orchestrator.planner._diagnose import binding_notes, infeasibility_message
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig, TypeInfo, group_configs, pair_links, type_infos
 from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs, simple_bound_s
-from orchestrator.planner._plan import Plan, PlanInfeasible, Stage
+from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._table import CostTable
 from orchestrator.solver import highs_available, solve
 
@@ -183,8 +183,10 @@ def plan(
         keeps surviving stages where they are, so their state need not move).
 
     Raises:
-      PlanInfeasible: no plan fits; the message names the binding constraint and the
-        least extra memory per device that would make one exist.
+      PlanInfeasible: no plan fits (proven); the message names the binding constraint and
+        the least extra memory per device that would make one exist.
+      PlanNotFound: the time limit ran out before any plan was found and before the
+        search space was proven empty.
     """
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
@@ -196,7 +198,7 @@ def plan(
     L = space.layers
     max_stages = min(max_stages or 16, L, len(cluster.devices()))
     candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
-    best, lower = None, math.inf
+    best, lower, unproven = None, math.inf, []
     # the heuristic and baselines get at most a third of the budget (largest M first)
     given = start
     start = _heuristic(
@@ -224,6 +226,9 @@ def plan(
         remaining = time_limit_s - (time.perf_counter() - started)
         if remaining <= 0 and best is not None:  # out of time: this M keeps only its solve-free bound
             lower = min(lower, simple_bound_s(space.runs, space.groups, space.table, space.infos, M))
+            continue
+        if remaining <= 0:
+            unproven.append(M)
             continue
         sub = StageModel(
             runs=space.runs,
@@ -267,6 +272,7 @@ def plan(
             # "Infeasible" under a cutoff means: nothing better than the incumbent for this M
             if result.status != "Infeasible":
                 lower = min(lower, bound)
+                unproven.append(M)
             continue
         lower = min(lower, bound)
         stages, chosen = sub.read()
@@ -274,6 +280,12 @@ def plan(
         if ev.feasible and (best is None or ev.iteration_s < best[0].iteration_s):
             best = (ev, stages, chosen, M, result)
     if best is None:
+        if unproven:
+            raise PlanNotFound(
+                f"no plan found within time_limit_s={time_limit_s:g} for {L} layers on {len(cluster.devices())} "
+                f"devices, and none proven impossible (microbatch counts {sorted(unproven)} ran out of time): "
+                "raise time_limit_s"
+            )
         raise PlanInfeasible(infeasibility_message(model, space, candidates, max_stages, schedule, global_batch))
     ev, stages, chosen, M, result = best
     devices = _allocate(cluster, chosen, prefer=prefer_devices)
