@@ -101,12 +101,16 @@ def test_plan_cli_json_and_explain(tmp_path):
             "2",
             "--out",
             str(out),
+            "--trace",
+            str(tmp_path / "trace.json"),
             "--json",
         ],
     )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert [l for s in payload["stages"] for l in s["layers"]] == [0, 1, 2, 3]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert any(event.get("ph") == "X" for event in trace["traceEvents"])
     saved = Plan.load(out)
     assert saved.to_json() == payload
     text = saved.explain()

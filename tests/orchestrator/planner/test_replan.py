@@ -48,3 +48,13 @@ def test_replan_after_losing_a_host_matches_a_cold_solve():
         replan(before, after, time_limit_s=30, gap=1e-6, **{k: v for k, v in SETTINGS.items() if k != "global_batch"})
         is warm
     )
+
+
+def test_out_of_time_without_a_plan_is_not_called_infeasible():
+    from orchestrator.planner import PlanInfeasible, PlanNotFound
+
+    model = SyntheticCosts([BLOCK] * 6, synthetic_cluster({"a": (20.0, 40.0)}, hosts_per_type=2, per_host=2))
+    with pytest.raises(PlanNotFound, match="raise time_limit_s"):
+        plan(model, time_limit_s=1e-4, **SETTINGS)
+    assert not issubclass(PlanNotFound, PlanInfeasible)
+    assert plan(model, time_limit_s=30, **SETTINGS).iteration_s > 0  # the same request has a plan
