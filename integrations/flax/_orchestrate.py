@@ -60,15 +60,10 @@ class OrchestratedTrainState:
 
 
 def _conductor(train_step: Callable, policy) -> Callable:
-    """``train_step`` with the conductor's kernel rewrites (imported lazily: the conductor is optional)."""
-    try:
-        import conductor
-    except ImportError:
-        conductor = None
-    optimize = getattr(conductor, "optimize", None)
-    if optimize is None:
-        raise NotImplementedError("conductor=True needs conductor.optimize (issue 6), which is not installed here")
-    return optimize(train_step, policy=None if policy is True else policy)
+    """``train_step`` with the conductor's kernel rewrites (imported here, so plain runs never load it)."""
+    import conductor
+
+    return conductor.optimize(train_step, policy=None if policy is True else policy)
 
 
 def orchestrate(
@@ -105,9 +100,6 @@ def orchestrate(
 
     Returns:
       An :class:`OrchestratedTrainState`; call ``.step(batch)`` in the loop.
-
-    Raises:
-      NotImplementedError: ``conductor`` asked for but the conductor package is absent.
 
     Example:
       >>> run = orchestrate(state, train_step, "local", batch=batch, param_axes=recipe.param_axes())  # doctest: +SKIP

@@ -96,6 +96,17 @@ class _Search:
     def stage_counts(self, given):
         return [S for S in given if S <= self.max_stages] if given else range(1, self.max_stages + 1)
 
+    def sweep(self, name, stage_counts, propose):
+        """The best plan ``propose(S, M, blocks) -> (split, groups)`` gives over stage counts and
+        microbatch counts, on ``S`` equal device blocks in listed order."""
+        best = None
+        for S in self.stage_counts(stage_counts):
+            blocks = listed_blocks(self.model, self.space, S)
+            for M in self.candidates if blocks and not self.expired() else ():
+                split, groups = propose(S, M, blocks)
+                best = self.score(name, split, groups, M, best)
+        return best
+
     def score(self, name, split, groups, M, best):
         if split is None or groups is None:
             return best
@@ -139,16 +150,13 @@ def uniform(
     stage_counts=None,
     deadline=None,
 ):
-    search, best = (
-        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
-        None,
-    )
-    for S in search.stage_counts(stage_counts):
-        blocks = listed_blocks(model, search.space, S)
-        for M in search.candidates if blocks and not search.expired() else ():
-            split = equal_split(search.space.layers, S)
-            best = search.score("uniform", split, configure(search.space, blocks, split, M, schedule), M, best)
-    return best
+    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline)
+
+    def propose(S, M, blocks):
+        split = equal_split(search.space.layers, S)
+        return split, configure(search.space, blocks, split, M, schedule)
+
+    return search.sweep("uniform", stage_counts, propose)
 
 
 def alpa(
@@ -163,17 +171,13 @@ def alpa(
     stage_counts=None,
     deadline=None,
 ):
-    search, best = (
-        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
-        None,
-    )
-    for S in search.stage_counts(stage_counts):
-        blocks = listed_blocks(model, search.space, S)
-        for M in search.candidates if blocks and not search.expired() else ():
-            split = search.reference_split(blocks, M, tp=True)
-            groups = configure(search.space, blocks, split, M, schedule) if split else None
-            best = search.score("alpa", split, groups, M, best)
-    return best
+    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline)
+
+    def propose(S, M, blocks):
+        split = search.reference_split(blocks, M, tp=True)
+        return split, configure(search.space, blocks, split, M, schedule) if split else None
+
+    return search.sweep("alpa", stage_counts, propose)
 
 
 def pipedream(
@@ -188,17 +192,13 @@ def pipedream(
     stage_counts=None,
     deadline=None,
 ):
-    search, best = (
-        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
-        None,
-    )
-    for S in search.stage_counts(stage_counts):
-        blocks = listed_blocks(model, search.space, S)
-        for M in search.candidates if blocks and not search.expired() else ():
-            split = search.reference_split(blocks, M, tp=False)
-            groups = configure(search.space, blocks, split, M, schedule, tp=False) if split else None
-            best = search.score("pipedream", split, groups, M, best)
-    return best
+    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline)
+
+    def propose(S, M, blocks):
+        split = search.reference_split(blocks, M, tp=False)
+        return split, configure(search.space, blocks, split, M, schedule, tp=False) if split else None
+
+    return search.sweep("pipedream", stage_counts, propose)
 
 
 def greedy(
