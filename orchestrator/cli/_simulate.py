@@ -23,10 +23,16 @@ Recipe = Annotated[
 Cluster = Annotated[str | None, typer.Option(help="The cluster preset or YAML the plan was made for (with --recipe).")]
 Seq = Annotated[int | None, typer.Option(min=1, help="Sequence length the plan was made with (default: the recipe's).")]
 Blocking = Annotated[
-    bool, typer.Option("--blocking-p2p", help="Transfers hold the compute stream (as the closed form counts them).")
+    bool,
+    typer.Option(
+        "--blocking-p2p", help="Transfers hold the compute stream (blocking sends; the planner lets them overlap)."
+    ),
 ]
 NoSyncOverlap = Annotated[
-    bool, typer.Option("--no-sync-overlap", help="Gradient sync after the whole pipeline (as the closed form).")
+    bool,
+    typer.Option(
+        "--no-sync-overlap", help="Gradient sync after the whole pipeline (the planner hides it behind the backward)."
+    ),
 ]
 
 

@@ -1,9 +1,13 @@
-"""The step time and memory of one concrete plan — what the ILP's objective and rows compute, evaluated directly."""
+"""The step time and memory of one concrete plan — what the ILP's objective and rows compute, evaluated directly.
+
+The step time is the closed form of :mod:`orchestrator.planner._closed_form`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.planner._closed_form import step_time
 from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._ilp import in_flight
 from orchestrator.planner._table import CostTable
@@ -59,19 +63,15 @@ def evaluate(
         syncs.append(sum(e.dp_sync_s for e in entries))
         optims.append(sum(e.optimizer_s for e in entries))
     feasible &= all(n <= infos[t].devices for t, n in used.items())
-    bottleneck = max(times)
-    breakdown = {
-        "fill_drain_s": sum(times),
-        "steady_s": (microbatches - 1) * bottleneck,
-        "gradient_sync_s": max(syncs),
-        "optimizer_s": max(optims),
-    }
+    computes = [t - 2 * send for t, send in zip(times, sends)]
+    backwards = [c - f for c, f in zip(computes, forwards)]
+    closed = step_time(forwards, backwards, sends, syncs, optims, microbatches, schedule)
     return Evaluation(
         feasible,
-        sum(breakdown.values()),
+        closed.step_s,
         tuple(times),
         tuple(memories),
-        breakdown,
+        closed.breakdown,
         tuple(forwards),
         tuple(sends),
         tuple(syncs),

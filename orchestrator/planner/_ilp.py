@@ -26,7 +26,11 @@ Variables
     e[r,j] ∈ [0,1]      run r is the last run of stage j
     c[j,t,t′] ∈ [0,1]   stage j is on type t and the next stage (j − 1) on type t′
     P_j ≥ 0             stage j's point-to-point transfer time per direction
-    T, D, O, X_j ≥ 0    bottleneck stage, gradient sync, optimizer, transient peak of stage j
+    X_j ≥ 0             transient peak of stage j
+    compute_j, forward_j, backward_j, sync_j, optimizer_j ≥ 0   position j's times
+    T ≥ 0               the bottleneck (slowest stage or link per microbatch), for the cuts
+    B_j, E_j, W, step ≥ 0   first backward start and last backward end of position j, the
+                        pipeline drain and the step; Ff, Fb_j ≥ 0 GPipe's paces
                         (rows in ms and GB, see MS and GB below)
 
 Constraints (one function each; every row named)
@@ -39,18 +43,23 @@ Constraints (one function each; every row named)
     devices         Σ_{j, g of type t} size_g·u[j,g] ≤ devices(t)
     transfers       e[r,j] ≥ a[r,j] − a[r+1,j];  c[j,t,t′] ≥ ut[j,t] + ut[j−1,t′] − 1;
                     P_j ≥ π_r(t,t′)·(e[r,j] + c[j,t,t′] − 1)
-    bottleneck      T ≥ t_j = Σ_{r,g} τ·y[r,j,g] + 2·P_j     (activation out, gradient back)
-    sync, optimizer D ≥ Σ_{r,g} δ·y[r,j,g],  O ≥ Σ_{r,g} ω·y[r,j,g]
+    stage_times     compute_j = Σ_{r,g} τ·y[r,j,g], forward_j = Σ φ·y (φ: forward part of τ),
+                    backward_j = compute_j − forward_j, sync_j = Σ δ·y, optimizer_j = Σ ω·y;
+                    T ≥ compute_j, T ≥ 2·P_j
+    schedule        the rows of ``_closed_form`` with stage s = S − 1 − j: B_j (1F1B: round trip
+                    and warm-up), E_j (in-flight cycle, own work, outgoing link; GPipe: the two
+                    flow shops with paces Ff and Fb_j), W ≥ E_j + upstream drain, W ≥ M·T,
+                    step ≥ W, step ≥ max(E_j, E_j − backward_j + sync_j) + optimizer_j, and for
+                    the first stage (used_{j+1} = 0; big-M on used_{j+1}) the same with E_j = W
     memory          Σ_{r,g} (σ + α·k_j)·y[r,j,g] + X_j ≤ Σ_g mem(g)·u[j,g],  X_j ≥ Σ_g ρ·v[r,j,g]
     group limits    Σ_r (σ + α·k_j)·y[r,j,g] ≤ mem(g)·u[j,g];  with an incumbent of step time I,
                     Σ_r τ·y[r,j,g] ≤ (I / M)·u[j,g]  (a better plan has T ≤ I / M)
     capacity        (valid cuts) N_t·T ≥ Σ_{r,j,g of type t} size_g·τ·y[r,j,g],  Σ_j t_j ≥ T,
                     Σ_{r,j,g of type t} size_g·(σ + α·k_j)·y[r,j,g] ≤ N_t·mem_t
 
-Objective: the step time  Σ_j t_j + (M − 1)·T + D + O
-(pipeline fill and drain — one microbatch through every stage — then M − 1 microbatches at
-the bottleneck's pace; gradient sync after the last backward, not overlapped; then the
-optimizer step).
+Objective: the step time ``step`` — the closed form of ``_closed_form``: the critical paths of
+the schedule with transfers beside compute and gradient sync hidden behind the last backward
+where it fits, then the optimizer step.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ from dataclasses import dataclass
 import pulp
 
 from orchestrator.cluster import Link
+from orchestrator.planner._closed_form import in_flight_cycle
 from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._table import CostTable
 
@@ -180,8 +190,22 @@ class StageModel:
         self.e = {(r, j): var(f"e_{r}_{j}", 0, 1) for r in R for j in J}
         self.P = {j: var(f"P_{j}", 0) for j in J}
         self.c: dict = {}  # (j, t, t2), made by add_transfers
-        self.T, self.D, self.O = var("T", 0), var("D", 0), var("O", 0)
+        self.T = var("T", 0)
         self.X = {j: var(f"X_{j}", 0) for j in J}
+        # per-position times (ms) and the closed form's critical-path variables
+        self.compute = {j: var(f"compute_{j}", 0) for j in J}
+        self.forward = {j: var(f"forward_{j}", 0) for j in J}
+        self.backward = {j: var(f"backward_{j}", 0) for j in J}
+        self.sync = {j: var(f"sync_{j}", 0) for j in J}
+        self.optimizer = {j: var(f"optimizer_{j}", 0) for j in J}
+        self.B = {j: var(f"B_{j}", 0) for j in J}
+        self.E = {j: var(f"E_{j}", 0) for j in J}
+        self.W, self.step = var("W", 0), var("step", 0)
+        self.Ff = var("Ff", 0)
+        self.Fb = {j: var(f"Fb_{j}", 0) for j in J}
+        # lower-bound rows of each derived variable, in dependency order (``set_start`` replays them)
+        self.bounds: dict = {}
+        self.definitions: list = []
         self.Q = var("Q", 0) if repair else 0
         self.used = {j: pulp.lpSum(self.u[j, g] for g in G) for j in J}
         self.on_type = {
@@ -189,18 +213,14 @@ class StageModel:
             for j in J
             for t in self.types
         }
-        self.stage_time = {j: self._stage_time(j) for j in J}
-        lp += pulp.lpSum(self.stage_time.values()) + (microbatches - 1) * self.T + self.D + self.O, "step_time"
+        self.stage_time = {j: self.compute[j] + (2 * self.P[j] if j > 0 else 0) for j in J}
+        lp += self.step, "step_time"
 
     def entry(self, r: int, g: int):
         return self.table.entry(self.runs[r].first, self.groups[g], self.M)
 
     def _terms(self, j: int):
         return [(r, g, self.y[r, j, g]) for r in range(len(self.runs)) for g in range(len(self.groups))]
-
-    def _stage_time(self, j: int):
-        compute = pulp.lpSum(self.entry(r, g).time_s * MS * y for r, g, y in self._terms(j))
-        return compute + 2 * self.P[j] if j > 0 else compute
 
     def in_flight(self, j: int) -> int:
         return self.M if self.schedule == "gpipe" else min(self.M, j + 1)
@@ -290,14 +310,96 @@ class StageModel:
     def send_s(self, r: int, source: str, target: str) -> float:
         return self.table.send_s(self.runs[r].count + self.runs[r].first - 1, self.M, self.links[source, target])
 
-    def add_bottleneck(self) -> None:
+    def _bound(self, variable, expression, name: str) -> None:
+        """Row ``variable ≥ expression``, remembered for :meth:`set_start`."""
+        self.lp += variable >= expression, name
+        self.bounds.setdefault(variable.name, (variable, []))[1].append(expression)
+
+    def send(self, j: int):
+        """One transfer from position j to j − 1 (none from the last stage)."""
+        return self.P[j] if j > 0 else 0
+
+    def add_stage_times(self) -> None:
+        """compute_j, forward_j, backward_j, sync_j, optimizer_j of position j (ms per microbatch
+        or per step): the cost table summed over its layers; and the bottleneck T ≥ compute_j,
+        T ≥ 2·P_j that the capacity cuts use."""
         for j in range(self.J):
             terms = self._terms(j)
-            self.lp += self.T >= self.stage_time[j], f"bottleneck_{j}"
+            compute = pulp.lpSum(self.entry(r, g).time_s * MS * y for r, g, y in terms)
+            forward = pulp.lpSum(self.entry(r, g).forward_s * MS * y for r, g, y in terms)
             sync = pulp.lpSum(self.entry(r, g).dp_sync_s * MS * y for r, g, y in terms)
-            self.lp += self.D >= sync, f"sync_{j}"
             optimizer = pulp.lpSum(self.entry(r, g).optimizer_s * MS * y for r, g, y in terms)
-            self.lp += self.O >= optimizer, f"optimizer_{j}"
+            for name, variable, expression in (
+                ("compute", self.compute[j], compute),
+                ("forward", self.forward[j], forward),
+                ("backward", self.backward[j], compute - forward),
+                ("sync", self.sync[j], sync),
+                ("optimizer", self.optimizer[j], optimizer),
+            ):
+                self.lp += variable == expression, f"{name}_{j}"
+                self.definitions.append((variable, expression))
+            self._bound(self.T, self.compute[j], f"bottleneck_{j}")
+            if j > 0:
+                self._bound(self.T, 2 * self.P[j], f"bottleneck_link_{j}")
+
+    def add_schedule(self) -> None:
+        """The closed form of ``_closed_form`` in positions (stage s = S − 1 − j, so s′ < s is
+        j′ > j and K_s = j + 1): rows for B_j, E_j, W and the step. Positions past the
+        first stage hold no work and give rows no stronger than the first stage's."""
+        J, M = range(self.J), self.M
+        up_f = {j: pulp.lpSum(self.forward[k] + self.send(k) for k in J if k > j) for j in J}
+        up_b = {j: pulp.lpSum(self.backward[k] + self.send(k) for k in J if k > j) for j in J}
+        if self.schedule == "gpipe":
+            for j in J:
+                self._bound(self.Ff, self.forward[j], f"gpipe_forward_pace_{j}")
+                if j > 0:
+                    self._bound(self.Ff, self.P[j], f"gpipe_forward_link_{j}")
+            forwards_end = pulp.lpSum(self.forward[j] + self.send(j) for j in J) + (M - 1) * self.Ff
+            for j in J:
+                for k in range(j + 1):
+                    self._bound(self.Fb[j], self.backward[k], f"gpipe_backward_pace_{j}_{k}")
+                    if k > 0:
+                        self._bound(self.Fb[j], self.P[k], f"gpipe_backward_link_{j}_{k}")
+                drain = pulp.lpSum(self.backward[k] + self.send(k) for k in range(j + 1))
+                self._bound(self.E[j], forwards_end + drain + (M - 1) * self.Fb[j], f"gpipe_end_{j}")
+        else:
+            for j in J:
+                q, r = in_flight_cycle(M, j + 1)
+                warm = min(M, j + 1)
+                loop = pulp.lpSum(self.compute[k] + 2 * self.send(k) for k in range(j + 1))
+                self._bound(self.B[j], up_f[j] + loop - self.backward[j], f"start_round_trip_{j}")
+                self._bound(self.B[j], up_f[j] + warm * self.forward[j], f"start_warm_up_{j}")
+                step = self.compute[j] if q >= 1 else self.backward[j]
+                self._bound(self.E[j], self.B[j] + q * loop + r * step + self.backward[j], f"end_in_flight_{j}")
+                self._bound(
+                    self.E[j], self.B[j] + M * self.backward[j] + (M - warm) * self.forward[j], f"end_own_work_{j}"
+                )
+                if j > 0:
+                    self._bound(self.E[j], up_f[j] + self.compute[j] + 2 * M * self.P[j], f"end_link_{j}")
+        for j in J:
+            self._bound(self.W, self.E[j] + up_b[j], f"drain_{j}")
+        self._bound(self.W, M * self.T, "drain_covers_bottleneck")
+        # the first stage (j used, j + 1 not) ends at W: its tail rows hold when used_{j+1} = 0
+        big = self.tail_limit_ms()
+        self._bound(self.step, self.W, "step_covers_pipeline")
+        for j in J:
+            tail = self.optimizer[j]
+            hidden = self.sync[j] - self.backward[j] + self.optimizer[j]
+            self._bound(self.step, self.E[j] + tail, f"step_optimizer_{j}")
+            self._bound(self.step, self.E[j] + hidden, f"step_sync_{j}")
+            relax = big * self.used[j + 1] if j + 1 < self.J else 0
+            self._bound(self.step, self.W + tail - relax, f"step_first_optimizer_{j}")
+            self._bound(self.step, self.W + hidden - relax, f"step_first_sync_{j}")
+
+    def tail_limit_ms(self) -> float:
+        """An upper bound on any stage's sync + optimizer time (ms): the big-M of the first-stage rows."""
+        total = 0.0
+        for r, run in enumerate(self.runs):
+            total += run.count * max(
+                (self.entry(r, g).dp_sync_s + self.entry(r, g).optimizer_s for g in range(len(self.groups))),
+                default=0.0,
+            )
+        return total * MS
 
     def add_capacity(self) -> None:
         """Valid cuts the LP relaxation needs (without them fractional u splits one big group
@@ -369,7 +471,8 @@ class StageModel:
         self.add_group_split()
         self.add_devices()
         self.add_transfers()
-        self.add_bottleneck()
+        self.add_stage_times()
+        self.add_schedule()
         self.add_capacity()
         self.add_memory()
         self.add_group_limits(None if incumbent_s is None else incumbent_s / self.M)
@@ -408,18 +511,14 @@ class StageModel:
             if j > 0:
                 self.c[j, types[j], types[j - 1]].varValue = 1.0
                 self.P[j].varValue = self.send_s(last, types[j], types[j - 1]) * MS
-        times = {j: self.stage_time[j].value() for j in range(S)}
-        self.T.varValue = max(times.values())
         for j in range(S):
             g = self.groups.index(groups[S - 1 - j])
             terms = [(r, g) for r in range(len(self.runs)) if (self.a[r, j].varValue or 0) > 0.5]
             self.X[j].varValue = max(self.entry(r, g).transient_bytes * GB for r, _ in terms)
-        self.D.varValue = max(
-            sum(self.entry(r, g).dp_sync_s * MS * (y.varValue or 0.0) for r, g, y in self._terms(j)) for j in range(S)
-        )
-        self.O.varValue = max(
-            sum(self.entry(r, g).optimizer_s * MS * (y.varValue or 0.0) for r, g, y in self._terms(j)) for j in range(S)
-        )
+        for variable, expression in self.definitions:
+            variable.varValue = pulp.value(expression) or 0.0
+        for variable, expressions in self.bounds.values():
+            variable.varValue = max(0.0, *(pulp.value(e) or 0.0 for e in expressions))
         return True
 
     def read(self) -> tuple[list[list[int]], list[GroupConfig]]:

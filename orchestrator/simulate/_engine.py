@@ -29,25 +29,26 @@ gradient sync y_s, optimizer o_s, from the plan — see ``_inputs``):
   plus transient bytes while a forward or backward runs; an activation is
   held from the start of its forward to the end of its backward.
 
-The planner's closed form is ``Σ_s t_s + (M − 1)·max_s t_s + max_s y_s +
-max_s o_s`` with ``t_s = f_s + b_s + 2·send_s``. With ``overlap_p2p=False``,
-``overlap_dp_sync=False``, no cost model and equal stages the simulation
-reproduces it exactly (GPipe and 1F1B). It differs by design when:
+The planner's closed form (``orchestrator.planner._closed_form``) is the max
+over the critical paths of this same schedule — transfers beside compute on
+their own link, the 1F1B in-flight cycle, each stage's sync hidden behind its
+last backward where it fits — each a lower bound on the replay. It differs by
+design when:
 
-* transfers overlap compute (the default): the steady state costs
-  ``max_s (f_s + b_s)`` per microbatch instead of ``max_s t_s`` — shorter;
-* the plan's devices actually sit on faster links than the pessimistic one
-  the planner prices a transfer on, or the data-parallel replicas of a stage
-  send their shares over several links at once — shorter; contention on a
-  shared link — longer;
-* gradient sync overlaps the backward pass — shorter;
-* stage times differ: the closed form is then not the schedule's critical
-  path. Two stages with (f, b) = (1, 2) and (1, 1) s, free transfers,
-  closed-form accounting: 1F1B runs 7 s against the closed form's 8 s at M = 2
-  (−12.5%), 25 vs 26 s at M = 8 (−3.9%), 97 vs 98 s at M = 32 (−1.0%): the
-  bottleneck's second forward runs inside the fill. GPipe gives 8, 26 and
-  98 s, equal to the closed form here; a GPipe plan whose stages differ in
-  their forward/backward split can also run longer than the closed form.
+* the plan's devices sit on faster links than the pessimistic one the planner
+  prices a transfer on, or the data-parallel replicas of a stage send their
+  shares over several links at once — shorter; contention on a shared link
+  (point-to-point beside a sync ring) — longer;
+* gradient sync is split per layer here: a bucket waits for its layer's last
+  backward, where the closed form lets the whole sync start with it — longer;
+* several critical paths nearly tie, so delays add up — longer.
+
+On the 34 instances of ``orchestrator bench planner`` that have a plan (27
+random chains, 7 recipes on presets; 1F1B) the replay lies within −0.81% and
++1.43% of the closed form; GPipe on the 26 feasible random chains: within
++0.81%. With ``overlap_p2p=False, overlap_dp_sync=False``, no cost model and
+equal stages, the replay is the
+textbook ``(S + M − 1)·t + y + o`` with ``t`` counting both transfers.
 """
 
 from __future__ import annotations
@@ -342,10 +343,10 @@ def simulate(plan: Plan, model=None, *, overlap_p2p: bool = True, overlap_dp_syn
         actual links, per-layer gradient-sync overlap and memory in bytes.
         Without it: transfers of ``send_s`` seconds, whole-stage syncs, and
         memory as microbatches in flight only.
-      overlap_p2p: transfers run beside compute (True) or hold the compute
-        stream as the closed form counts them (False).
-      overlap_dp_sync: gradient sync starts during the last backward (True)
-        or after the whole pipeline (False, as the closed form).
+      overlap_p2p: transfers run beside compute (True, as the closed form
+        counts them) or hold the compute stream (False: blocking sends).
+      overlap_dp_sync: gradient sync starts during the last backward (True,
+        as the closed form) or after the whole pipeline (False).
 
     Returns:
       The :class:`Timeline`.
@@ -375,13 +376,7 @@ def compare(plan: Plan, model=None) -> tuple[float, float, float]:
 
     The simulation uses the defaults of :func:`simulate` (transfers and
     gradient sync overlapped, real links with contention); see the module
-    docstring for where and why the two differ. Measured on 12 planner plans
-    (gpt-tiny, gpt2-small, mamba-130m, gpt-1.3b on mixed-a100-v100, a100x8,
-    h100x16; GPipe and 1F1B): −0.1% to −17.9%, 8 of 12 within 5%; the four
-    outside are 1-stage plans whose gradient sync is a large share of the
-    step and overlaps the backward pass here (gpt-tiny −17.9% and
-    mamba-130m −5.2%, under both schedules). With ``overlap_p2p=False, overlap_dp_sync=False`` and no cost model
-    the same plans came within 0.4% (−0.38% to 0.0%).
+    docstring for where and why the two differ, and the measured spread.
 
     Args:
       plan: the plan (its ``iteration_s`` is the closed form).

@@ -13,6 +13,7 @@ import functools
 from orchestrator.cluster import parse_cluster
 from orchestrator.costs import CostModel, ParallelConfig, all_reduce_s, p2p_s
 from orchestrator.planner import Plan, Stage, plan
+from orchestrator.planner._closed_form import step_time
 
 GLOBAL_BATCH = 8
 
@@ -101,20 +102,22 @@ def hand_plan(model: CostModel, schedule: str = "1f1b", microbatches: int = 4) -
                 + max(c.transient_bytes for c in costs),
             )
         )
-    times = [x.time_s for x in stages]
-    breakdown = {
-        "fill_drain_s": sum(times),
-        "steady_s": (M - 1) * max(times),
-        "gradient_sync_s": max(x.dp_sync_s for x in stages),
-        "optimizer_s": max(x.optimizer_s for x in stages),
-    }
+    closed = step_time(
+        [x.forward_s for x in stages],
+        [x.time_s - 2 * x.send_s - x.forward_s for x in stages],
+        [x.send_s for x in stages],
+        [x.dp_sync_s for x in stages],
+        [x.optimizer_s for x in stages],
+        M,
+        schedule,
+    )
     return Plan(
         stages=tuple(stages),
         schedule=schedule,  # type: ignore[arg-type]
         microbatches=M,
         global_batch=GLOBAL_BATCH,
-        iteration_s=sum(breakdown.values()),
-        breakdown=breakdown,
+        iteration_s=closed.step_s,
+        breakdown=closed.breakdown,
     )
 
 
