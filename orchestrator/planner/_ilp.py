@@ -206,6 +206,9 @@ class StageModel:
         # lower-bound rows of each derived variable, in dependency order (``set_start`` replays them)
         self.bounds: dict = {}
         self.definitions: list = []
+        # the migration term of re-planning (``_migration``): stay variables and their part of the objective
+        self.stays: list = []
+        self.migration = 0
         self.Q = var("Q", 0) if repair else 0
         self.used = {j: pulp.lpSum(self.u[j, g] for g in G) for j in J}
         self.on_type = {
@@ -519,6 +522,8 @@ class StageModel:
             variable.varValue = pulp.value(expression) or 0.0
         for variable, expressions in self.bounds.values():
             variable.varValue = max(0.0, *(pulp.value(e) or 0.0 for e in expressions))
+        for stay, y, count in self.stays:
+            stay.varValue = min(count, y.varValue or 0.0)
         return True
 
     def read(self) -> tuple[list[list[int]], list[GroupConfig]]:

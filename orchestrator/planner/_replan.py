@@ -14,8 +14,13 @@
    to HiGHS as a MIP start through ``Highs.setSolution``) and surviving stages keep their
    concrete devices where their group still fits them, so their state does not move.
 
-Not modelled yet: a migration term in the objective (bytes of parameters and optimizer
-state that must move, over the links they cross).
+4. **Migration.** With ``horizon_steps`` the objective adds the parameters and optimizer
+   state that must leave surviving stages, over the links they cross, amortised over that
+   many steps (``_migration``), so a re-plan does not reshuffle everything for a tiny gain.
+
+``widen=False`` stops after the repair: only the lost stages' part is solved (the model
+offers just the kept groups and groups that fit the freed devices), which is what a
+running job wants first; its gap is certified against a solve-free bound.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections import Counter
 
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._ilp import StageModel
-from orchestrator.planner._plan import Plan
-from orchestrator.planner._search import DEFAULT_MICROBATCHES, plan, search_space
+from orchestrator.planner._ilp import StageModel, simple_bound_s
+from orchestrator.planner._migration import Migration
+from orchestrator.planner._plan import Plan, PlanNotFound
+from orchestrator.planner._search import DEFAULT_MICROBATCHES, make_plan, plan, search_space
 from orchestrator.solver import solve
 
 _CACHE: dict[str, Plan] = {}
@@ -65,18 +72,26 @@ def _group_of(stage) -> GroupConfig:
     return GroupConfig(device_type=stage.device_type, size=stage.tp * stage.dp, tp=stage.tp, recompute=stage.recompute)
 
 
-def _repair(previous: Plan, model, settings: dict, time_limit_s: float):
-    """The previous plan with lost stages re-decided (see the module docstring), or None."""
-    alive = {d.ref for d in model.cluster.devices()}
-    space = search_space(model, settings["global_batch"], recompute=settings.get("recompute", True))
+def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, migration: Migration | None):
+    """The previous plan with lost stages re-decided (see the module docstring), or None.
+
+    Returns ``(stages, groups, M, evaluation)``. The model only offers the kept stages' groups
+    and groups that fit the devices the kept stages leave free, so it is small and fast."""
+    alive = model.cluster.devices()
+    alive_refs = {d.ref for d in alive}
     M, S = previous.microbatches, len(previous.stages)
-    kept = [s for s, stage in enumerate(previous.stages) if set(stage.devices) <= alive]
+    kept = [s for s, stage in enumerate(previous.stages) if set(stage.devices) <= alive_refs]
+    free = Counter(d.device_type for d in alive)
+    for s in kept:
+        free[previous.stages[s].device_type] -= len(previous.stages[s].devices)
+    kept_groups = {_group_of(previous.stages[s]) for s in kept}
+    groups = [g for g in space.groups if g in kept_groups or g.size <= free[g.device_type]]
     for fix_layers in (True, False):
         sub = StageModel(
             runs=space.runs,
             max_stages=S,
             microbatches=M,
-            groups=space.groups,
+            groups=groups,
             table=space.table,
             infos=space.infos,
             schedule=previous.schedule,
@@ -85,26 +100,30 @@ def _repair(previous: Plan, model, settings: dict, time_limit_s: float):
         if not sub.groups:
             return None
         sub.build()
+        if migration is not None:
+            migration.add_to(sub)
         run_of = {layer: r for r, run in enumerate(sub.runs) for layer in run.layers}
+        fixable = True
         for s in kept:
             j, group = S - 1 - s, _group_of(previous.stages[s])
             if group not in sub.groups:
+                fixable = False
                 break
             sub.lp += sub.u[j, sub.groups.index(group)] == 1, f"keep_group_{s}"
             if fix_layers:
-                counts: dict[int, int] = {}
-                for layer in previous.stages[s].layers:
-                    counts[run_of[layer]] = counts.get(run_of[layer], 0) + 1
+                counts = Counter(run_of[layer] for layer in previous.stages[s].layers)
                 for r in range(len(sub.runs)):
                     sub.lp += sub.z[r, j] == counts.get(r, 0), f"keep_layers_{s}_{r}"
+        if not fixable:
+            return None
         result = solve(sub.lp, time_limit_s=time_limit_s, gap=1e-3)
         if result.has_solution:
-            stages, groups = sub.read()
+            stages, chosen = sub.read()
             ev = evaluate(
-                stages, groups, M, table=space.table, infos=space.infos, schedule=previous.schedule, links=space.links
+                stages, chosen, M, table=space.table, infos=space.infos, schedule=previous.schedule, links=space.links
             )
             if ev.feasible:
-                return stages, groups, M
+                return stages, chosen, M, ev
     return None
 
 
@@ -118,12 +137,21 @@ def replan(
     time_limit_s: float = 30.0,
     gap: float = 1e-3,
     recompute: bool = True,
+    horizon_steps: int | None = 1000,
+    widen: bool = True,
 ) -> Plan:
     """A new plan for ``model`` (a changed cluster or changed costs), reusing ``previous``.
 
-    Returns the cached plan for an identical request; otherwise repairs ``previous`` and
-    solves the full model warm-started from the repair (module docstring). ``solve_s`` of
-    the result covers the whole re-plan.
+    Returns the cached plan for an identical request; otherwise repairs ``previous`` and,
+    with ``widen``, solves the full model warm-started from the repair (module docstring).
+    ``widen=False`` returns the repair itself (fast: only the lost stages are re-decided),
+    with a solve-free certified bound. With ``horizon_steps`` the objective adds the state
+    that must move off surviving stages, amortised over that many steps (``_migration``);
+    None leaves it out. ``solve_s`` of the result covers the whole re-plan.
+
+    Raises:
+      PlanInfeasible, PlanNotFound: as :func:`plan` (``widen=False``: PlanNotFound when the
+        repair finds nothing).
     """
     started = time.perf_counter()
     settings = {
@@ -134,14 +162,43 @@ def replan(
         "gap": gap,
         "recompute": recompute,
     }
-    key = fingerprint(model, settings)
+    key = fingerprint(
+        model,
+        {
+            **settings,
+            "previous": hashlib.sha256(json.dumps(previous.to_json(), sort_keys=True).encode()).hexdigest(),
+            "horizon_steps": horizon_steps,
+            "widen": widen,
+        },
+    )
     if key in _CACHE:
         return _CACHE[key]
-    start = _repair(previous, model, settings, time_limit_s=max(0.2, time_limit_s / 4))
+    space = search_space(model, settings["global_batch"], recompute=recompute)
+    migration = Migration.from_plan(previous, model, space.links, horizon_steps) if horizon_steps else None
+    repaired = _repair(previous, model, space, settings, max(0.2, time_limit_s / 4), migration)
     alive = {d.ref for d in model.cluster.devices()}
-    prefer = [stage.devices if set(stage.devices) <= alive else None for stage in previous.stages]
-    remaining = max(0.2, time_limit_s - (time.perf_counter() - started))
-    result = plan(model, time_limit_s=remaining, start=start, prefer_devices=prefer, **settings)
+    S = len(previous.stages)
+    prefer = [previous.stages[S - 1 - j].devices if set(previous.stages[S - 1 - j].devices) <= alive else None
+              for j in range(S)]  # fmt: skip
+    if not widen:
+        if repaired is None:
+            raise PlanNotFound("the repair of the previous plan found no plan: re-plan with widen=True")
+        stages, chosen, M, ev = repaired
+        keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
+        candidates = [m for m in microbatch_candidates if settings["global_batch"] % m == 0]
+        bound = min(simple_bound_s(space.runs, space.groups, space.table, space.infos, m) for m in candidates)
+        moved = migration.step_cost_s(stages, chosen, space.table, keys) if migration else 0.0
+        result = make_plan(
+            model, space, ev, stages, chosen, M,
+            schedule=previous.schedule, global_batch=settings["global_batch"], bound=bound, gap=gap,
+            started=started, prefer_devices=prefer, objective=ev.iteration_s + moved,
+        )  # fmt: skip
+    else:
+        start = repaired[:3] if repaired else None
+        remaining = max(0.2, time_limit_s - (time.perf_counter() - started))
+        result = plan(
+            model, time_limit_s=remaining, start=start, prefer_devices=prefer, migration=migration, **settings
+        )
     result = dataclasses.replace(result, solve_s=time.perf_counter() - started, source=previous.source)
     _CACHE[key] = result
     return result

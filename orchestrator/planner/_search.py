@@ -19,9 +19,10 @@ import pulp
 from orchestrator.cluster import Cluster, Link
 from orchestrator.costs import CostModel
 from orchestrator.planner._diagnose import binding_notes, infeasibility_message
-from orchestrator.planner._evaluate import evaluate
+from orchestrator.planner._evaluate import Evaluation, evaluate
 from orchestrator.planner._groups import GroupConfig, TypeInfo, group_configs, pair_links, type_infos
 from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs, simple_bound_s
+from orchestrator.planner._migration import Migration
 from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._table import CostTable
 from orchestrator.solver import highs_available, solve
@@ -157,6 +158,7 @@ def plan(
     recompute: bool = True,
     start: tuple[list[list[int]], list[GroupConfig], int] | None = None,
     prefer_devices: list[tuple[str, ...] | None] | None = None,
+    migration: Migration | None = None,
 ) -> Plan:
     """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
 
@@ -179,8 +181,12 @@ def plan(
       recompute: also consider recomputing each stage's forward in its backward.
       start: a known plan (layers per stage, groups, M) to start from, e.g. the previous
         plan when re-planning; used when it fits and beats the heuristic.
-      prefer_devices: devices to give each stage when its group still fits them (re-planning
-        keeps surviving stages where they are, so their state need not move).
+      prefer_devices: devices for the stage at each position counted from the end of the
+        pipeline (0 = last stage), used when its group still fits them (re-planning keeps
+        surviving stages where they are, so their state need not move).
+      migration: when re-planning, the cost of moving state off the previous plan's surviving
+        stages, amortised per step and added to the objective (``_migration``); the plan's
+        ``objective`` then includes it, its ``iteration_s`` does not.
 
     Raises:
       PlanInfeasible: no plan fits (proven); the message names the binding constraint and
@@ -199,6 +205,14 @@ def plan(
     max_stages = min(max_stages or 16, L, len(cluster.devices()))
     candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
     best, lower, unproven = None, math.inf, []
+    keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
+
+    def score(ev: Evaluation, stages: list[list[int]], groups: list[GroupConfig]) -> float:
+        """What the search minimises: the step time, plus the amortised migration when re-planning."""
+        if migration is None:
+            return ev.iteration_s
+        return ev.iteration_s + migration.step_cost_s(stages, groups, space.table, keys)
+
     # the heuristic and baselines get at most a third of the budget (largest M first)
     given = start
     start = _heuristic(
@@ -214,14 +228,14 @@ def plan(
             schedule=schedule,
             links=space.links,
         )
-        best = (ev, start.stages, start.groups, start.microbatches, None)
+        best = (score(ev, start.stages, start.groups), ev, start.stages, start.groups, start.microbatches)
         log.debug(
             "heuristic start: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, start.microbatches, len(start.stages)
         )
     if given is not None and given[2] in candidates:
         ev = evaluate(*given, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
-        if ev.feasible and (best is None or ev.iteration_s < best[0].iteration_s):
-            best = (ev, given[0], given[1], given[2], None)
+        if ev.feasible and (best is None or score(ev, given[0], given[1]) < best[0]):
+            best = (score(ev, given[0], given[1]), ev, given[0], given[1], given[2])
     for index, M in enumerate(candidates):
         remaining = time_limit_s - (time.perf_counter() - started)
         if remaining <= 0 and best is not None:  # out of time: this M keeps only its solve-free bound
@@ -242,12 +256,14 @@ def plan(
         )
         if not sub.groups:
             continue
-        sub.build(incumbent_s=best[0].iteration_s if best else None)
+        sub.build(incumbent_s=best[0] if best else None)
+        if migration is not None:
+            migration.add_to(sub)
         built = time.perf_counter()
-        warm = best is not None and best[3] == M and sub.set_start(best[1], best[2])
+        warm = best is not None and best[4] == M and sub.set_start(best[2], best[3])
         if best is not None and not warm:
             # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
-            sub.lp += sub.lp.objective <= best[0].iteration_s * MS * (1 - 1e-9), "better_than_incumbent"
+            sub.lp += sub.lp.objective <= best[0] * MS * (1 - 1e-9), "better_than_incumbent"
         result = solve(
             sub.lp,
             time_limit_s=max(0.2, remaining / (len(candidates) - index)),
@@ -277,8 +293,8 @@ def plan(
         lower = min(lower, bound)
         stages, chosen = sub.read()
         ev = evaluate(stages, chosen, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
-        if ev.feasible and (best is None or ev.iteration_s < best[0].iteration_s):
-            best = (ev, stages, chosen, M, result)
+        if ev.feasible and (best is None or score(ev, stages, chosen) < best[0]):
+            best = (score(ev, stages, chosen), ev, stages, chosen, M)
     if best is None:
         if unproven:
             raise PlanNotFound(
@@ -287,8 +303,48 @@ def plan(
                 "raise time_limit_s"
             )
         raise PlanInfeasible(infeasibility_message(model, space, candidates, max_stages, schedule, global_batch))
-    ev, stages, chosen, M, result = best
-    devices = _allocate(cluster, chosen, prefer=prefer_devices)
+    total, ev, stages, chosen, M = best
+    return make_plan(
+        model,
+        space,
+        ev,
+        stages,
+        chosen,
+        M,
+        schedule=schedule,
+        global_batch=global_batch,
+        bound=lower,
+        gap=gap,
+        started=started,
+        prefer_devices=prefer_devices,
+        objective=total,
+    )
+
+
+def make_plan(
+    model: CostModel,
+    space: SearchSpace,
+    ev: Evaluation,
+    stages: list[list[int]],
+    chosen: list[GroupConfig],
+    M: int,
+    *,
+    schedule: str,
+    global_batch: int,
+    bound: float,
+    gap: float,
+    started: float,
+    prefer_devices: list[tuple[str, ...] | None] | None = None,
+    objective: float | None = None,
+) -> Plan:
+    """The :class:`Plan` of an evaluated solution: devices allocated (``prefer_devices`` by
+    position from the end), certified ``bound`` (s) on the step time; ``objective`` defaults to
+    the step time."""
+    S = len(chosen)
+    prefer = [
+        prefer_devices[S - 1 - s] if prefer_devices and S - 1 - s < len(prefer_devices) else None for s in range(S)
+    ]
+    devices = _allocate(model.cluster, chosen, prefer=prefer)
     plan_stages = tuple(
         Stage(
             layers=tuple(layers),
@@ -307,7 +363,7 @@ def plan(
         )
         for s, (layers, g) in enumerate(zip(stages, chosen))
     )
-    bound = min(lower, ev.iteration_s)
+    bound = min(bound, ev.iteration_s)
     final_gap = (ev.iteration_s - bound) / ev.iteration_s if ev.iteration_s > 0 else 0.0
     return Plan(
         stages=plan_stages,
@@ -318,7 +374,7 @@ def plan(
         breakdown=ev.breakdown,
         solver="HiGHS" if highs_available() else "CBC",
         status="Optimal" if final_gap <= gap else "Time limit reached",
-        objective=ev.iteration_s,
+        objective=ev.iteration_s if objective is None else objective,
         bound=bound,
         gap=final_gap,
         solve_s=time.perf_counter() - started,

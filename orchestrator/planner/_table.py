@@ -55,6 +55,17 @@ class CostTable:
             )
         return self._entries[key]
 
+    def state_bytes(self, layer: int, device_type: str) -> float:
+        """Parameters and optimizer state of ``layer``, unsharded: what moving it moves."""
+        key = ("state", layer, device_type)
+        if key not in self._entries:
+            group = GroupConfig(device_type=device_type, size=1, tp=1, recompute=False)
+            tp_link, dp_link = group_links(group, self.infos[device_type])
+            config = ParallelConfig(tp=1, dp=1, microbatch_size=1, recompute=False)
+            cost = self.model.layer_cost(layer, device_type, config, tp_link=tp_link, dp_link=dp_link)
+            self._entries[key] = cost.param_bytes + cost.optimizer_bytes
+        return self._entries[key]
+
     def p2p_s(self, layer: int, microbatches: int, link) -> float:
         """Activation out of ``layer`` forward and its gradient back, for one microbatch."""
         return 2 * self.send_s(layer, microbatches, link)
