@@ -169,6 +169,38 @@ def planner(
         )
 
 
+@bench_app.command("replan")
+def replan_bench(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...]}.")] = False,
+    time_limit_s: Annotated[float, typer.Option(min=0.1, help="Time limit of each cold solve.")] = 10.0,
+    quick: Annotated[bool, typer.Option(help="Only the small synthetic cases (for tests).")] = False,
+) -> None:
+    """Re-planning: cache hits, warm vs cold after losing a host, the migration term; exit 1 on a miss."""
+    from orchestrator.bench._replan import run_suite
+
+    console = Console(stderr=True)
+    with console.status("re-planning") as status:
+        cases = run_suite(quick=quick, time_limit_s=time_limit_s, progress=status.update)
+    if as_json:
+        json.dump({"cases": cases}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        table = Table(title="re-planning: warm vs cold (step times in s)")
+        columns = ("warm_s", "cold_s", "objective_warm", "objective_cold", "gap_cold")
+        for column in ("case", *columns, "ok"):
+            table.add_column(column, justify="left" if column == "case" else "right")
+
+        def cell(value):
+            return "-" if value is None else f"{value:.4g}"
+
+        for case in cases:
+            ok = "[green]yes[/green]" if case["ok"] else "[red]no[/red]"
+            table.add_row(case["name"], *(cell(case.get(c)) for c in columns), ok)
+        Console(width=200).print(table)
+    if not all(case["ok"] for case in cases):
+        raise typer.Exit(code=1)
+
+
 @bench_app.command("executor")
 def executor(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...], ranking: [...]}.")] = False,

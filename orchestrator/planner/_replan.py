@@ -139,13 +139,16 @@ def replan(
     recompute: bool = True,
     horizon_steps: int | None = 1000,
     widen: bool = True,
+    certify: bool = True,
 ) -> Plan:
     """A new plan for ``model`` (a changed cluster or changed costs), reusing ``previous``.
 
     Returns the cached plan for an identical request; otherwise repairs ``previous`` and,
     with ``widen``, solves the full model warm-started from the repair (module docstring).
     ``widen=False`` returns the repair itself (fast: only the lost stages are re-decided),
-    with a solve-free certified bound. With ``horizon_steps`` the objective adds the state
+    with a solve-free certified bound, or with ``certify=False`` none (bound 0, gap 100%:
+    computing the bound prices every group at every microbatch count, which on a large
+    model takes longer than the repair). With ``horizon_steps`` the objective adds the state
     that must move off surviving stages, amortised over that many steps (``_migration``);
     None leaves it out. ``solve_s`` of the result covers the whole re-plan.
 
@@ -169,6 +172,7 @@ def replan(
             "previous": hashlib.sha256(json.dumps(previous.to_json(), sort_keys=True).encode()).hexdigest(),
             "horizon_steps": horizon_steps,
             "widen": widen,
+            "certify": certify,
         },
     )
     if key in _CACHE:
@@ -186,7 +190,11 @@ def replan(
         stages, chosen, M, ev = repaired
         keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
         candidates = [m for m in microbatch_candidates if settings["global_batch"] % m == 0]
-        bound = min(simple_bound_s(space.runs, space.groups, space.table, space.infos, m) for m in candidates)
+        bound = (
+            min(simple_bound_s(space.runs, space.groups, space.table, space.infos, m) for m in candidates)
+            if certify
+            else 0.0
+        )
         moved = migration.step_cost_s(stages, chosen, space.table, keys) if migration else 0.0
         result = make_plan(
             model, space, ev, stages, chosen, M,

@@ -58,3 +58,19 @@ def test_bench_dag_json_has_every_field_and_milp_is_never_worse():
         assert row["milp"]["makespan"] <= row["heft"] + 1e-9
         if row["exhaustive"] is not None:
             assert row["milp"]["makespan"] == pytest.approx(row["exhaustive"], rel=1e-6)
+
+
+def test_bench_replan_json_reports_warm_and_cold_for_every_re_plan():
+    result = CliRunner().invoke(app, ["bench", "replan", "--quick", "--json"])
+    assert result.exit_code == 0, result.output
+    cases = json.loads(result.stdout)["cases"]
+    names = [case["name"] for case in cases]
+    assert any(name.startswith("cache") for name in names)
+    assert any(name.startswith("exact") for name in names)
+    assert any(name.startswith("migration") for name in names)
+    for case in cases:
+        assert case["ok"], case
+        if not case["name"].startswith("cache"):
+            assert {"warm_s", "cold_s", "objective_warm", "objective_cold"} <= case.keys()
+    migration = next(case for case in cases if case["name"].startswith("migration"))
+    assert migration["layers_moved_warm"] == 0 < migration["layers_moved_cold"]

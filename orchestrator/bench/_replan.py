@@ -1,0 +1,155 @@
+"""``orchestrator bench replan``: the evidence for re-planning (cache, repair, warm vs cold, migration).
+
+Every case is a dict with ``name`` and ``ok``; re-plans also carry ``warm_s``, ``cold_s``,
+``objective_warm``, ``objective_cold`` (step times in seconds), the cold solve's certified
+``gap_cold`` and, where the migration term matters, the layers each plan moves.
+
+* **cache** — an identical request answered without solving (ok: under 50 ms);
+* **exact** — on a small two-type cluster (6 identical blocks, 2 hosts of 2 devices per type)
+  after losing a host: the warm re-plan (repair, then the full model from it) equals a cold
+  solve to 1e-6 (both proven optimal);
+* **migration** — the same loss: amortised over one step, moving state costs more than it
+  gains and the warm plan keeps every surviving layer in place, where the free optimum moves some;
+* **gpt-13b × mixed-4type-64 minus one host** (one case per device type; not in ``--quick``): the
+  fast repair (``widen=False``, ``certify=False``) against a cold solve of the same cluster
+  with ``time_limit_s``; ok when the repair takes at most 0.3 s and its step time is within
+  the cold solve's reported gap of the cold step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from orchestrator.planner import PlanInfeasible, PlanNotFound, cached_plan, plan, replan
+
+SMALL_SETTINGS = {"global_batch": 16, "microbatch_candidates": (1, 2, 4, 8), "max_stages": 4}
+
+
+def _without_host(model, host: str, rebuild: Callable):
+    cluster = model.cluster
+    gone = frozenset(d.ref for d in cluster.devices() if d.host == host)
+    return rebuild(dataclasses.replace(cluster, unavailable=cluster.unavailable | gone))
+
+
+def _moved(before, after, alive: set[str]) -> int:
+    where = {layer: stage.devices for stage in after.stages for layer in stage.layers}
+    return sum(
+        where[layer] != stage.devices
+        for stage in before.stages
+        if set(stage.devices) <= alive
+        for layer in stage.layers
+    )
+
+
+def small_cases() -> list[dict]:
+    """The cache, exact and migration cases on the small synthetic cluster."""
+    from orchestrator.bench._synthetic import SyntheticCosts, SyntheticLayer, synthetic_cluster
+
+    block = SyntheticLayer(flops=4e12, param_bytes=2e9, activation_per_sample=0.5e9, output_per_sample=0.05e9)
+    cluster = synthetic_cluster({"fast": (40.0, 40.0), "slow": (20.0, 40.0)}, hosts_per_type=2, per_host=2)
+    model = SyntheticCosts([block] * 6, cluster)
+    replan_settings = {k: v for k, v in SMALL_SETTINGS.items() if k != "global_batch"}
+    cases = []
+
+    first = cached_plan(model, time_limit_s=30, gap=1e-6, **SMALL_SETTINGS)
+    started = time.perf_counter()
+    again = cached_plan(model, time_limit_s=30, gap=1e-6, **SMALL_SETTINGS)
+    hit_s = time.perf_counter() - started
+    cases.append({"name": "cache: identical request", "ok": again is first and hit_s < 0.05, "hit_s": hit_s})
+
+    before = first
+    lost = before.stages[0].devices[0].split("/")[0]
+    after = _without_host(model, lost, lambda c: SyntheticCosts(model.layers, c))
+    alive = {d.ref for d in after.cluster.devices()}
+    started = time.perf_counter()
+    cold = plan(after, time_limit_s=30, gap=1e-6, **SMALL_SETTINGS)
+    cold_s = time.perf_counter() - started
+    warm = replan(before, after, time_limit_s=30, gap=1e-6, horizon_steps=None, **replan_settings)
+    cases.append(
+        {
+            "name": f"exact: small 2-type cluster minus {lost}",
+            "ok": abs(warm.iteration_s / cold.iteration_s - 1) <= 1e-6,
+            "warm_s": warm.solve_s,
+            "cold_s": cold_s,
+            "objective_warm": warm.iteration_s,
+            "objective_cold": cold.iteration_s,
+            "gap_cold": cold.gap,
+        }
+    )
+    sticky = replan(before, after, time_limit_s=30, gap=1e-6, horizon_steps=1, **replan_settings)
+    moved_free, moved_sticky = _moved(before, warm, alive), _moved(before, sticky, alive)
+    cases.append(
+        {
+            "name": f"migration: small 2-type cluster minus {lost}, moves amortised over 1 step",
+            "ok": moved_sticky == 0 < moved_free,
+            "warm_s": sticky.solve_s,
+            "cold_s": cold_s,
+            "objective_warm": sticky.iteration_s,
+            "objective_cold": cold.iteration_s,
+            "layers_moved_warm": moved_sticky,
+            "layers_moved_cold": moved_free,
+        }
+    )
+    return cases
+
+
+def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
+    """gpt-13b × mixed-4type-64: plan, then lose one host of each device type the plan uses."""
+    from orchestrator.bench._planner import captured_model
+    from orchestrator.costs import CostModel
+
+    if progress:
+        progress("capturing gpt-13b")
+    model = captured_model("gpt-13b", "mixed-4type-64", 2048)
+    if progress:
+        progress("planning gpt-13b × mixed-4type-64")
+    before = plan(model, global_batch=512, time_limit_s=time_limit_s)
+    cases = []
+    for stage in before.stages:
+        host = stage.devices[-1].split("/")[0]
+        if progress:
+            progress(f"re-planning without {host}")
+
+        def rebuild(cluster):
+            return CostModel(
+                model.graph, model.layers, cluster, batch_size=model.batch_size, param_axes=model.param_axes
+            )
+
+        after = _without_host(model, host, rebuild)
+        started = time.perf_counter()
+        try:
+            warm = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False)
+        except (PlanNotFound, PlanInfeasible) as error:
+            cases.append({"name": f"gpt-13b × mixed-4type-64 minus {host}", "ok": False, "error": str(error)})
+            continue
+        warm_s = time.perf_counter() - started
+        started = time.perf_counter()
+        try:
+            cold = plan(after, global_batch=512, time_limit_s=time_limit_s)
+        except (PlanNotFound, PlanInfeasible) as error:
+            cold, cold_error = None, str(error)
+        cold_s = time.perf_counter() - started
+        case = {
+            "name": f"gpt-13b × mixed-4type-64 minus {host}",
+            "warm_s": warm_s,
+            "cold_s": cold_s,
+            "objective_warm": warm.iteration_s,
+            "objective_cold": cold.iteration_s if cold else None,
+            "gap_cold": cold.gap if cold else None,
+        }
+        if cold is None:
+            case.update(ok=False, error=f"cold solve: {cold_error}")
+        else:
+            within = abs(warm.iteration_s - cold.iteration_s) <= cold.gap * max(warm.iteration_s, cold.iteration_s)
+            case["ok"] = warm_s <= 0.3 and within
+        cases.append(case)
+    return cases
+
+
+def run_suite(*, quick: bool = False, time_limit_s: float = 10.0, progress=None) -> list[dict]:
+    cases = small_cases()
+    if not quick:
+        cases += large_cases(time_limit_s=time_limit_s, progress=progress)
+    return cases
