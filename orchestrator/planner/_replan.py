@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
+import math
 import time
 from collections import Counter
 
@@ -72,11 +74,43 @@ def _group_of(stage) -> GroupConfig:
     return GroupConfig(device_type=stage.device_type, size=stage.tp * stage.dp, tp=stage.tp, recompute=stage.recompute)
 
 
+def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, limit: int = 4096):
+    """Every decision of ``previous`` fixed but the groups of its lost stages, which are
+    enumerated over the groups that fit the freed devices: the best feasible result, or None
+    (also when there are more than ``limit`` combinations)."""
+    M, S = previous.microbatches, len(previous.stages)
+    lost = [s for s in range(S) if s not in kept]
+    options = [
+        [g for g in space.groups if g.size <= free[g.device_type] and space.table.microbatch(g, M) is not None]
+        for _ in lost
+    ]
+    if math.prod(len(o) for o in options) > limit:
+        return None
+    layers = [list(stage.layers) for stage in previous.stages]
+    best = None
+    for choice in itertools.product(*options):
+        use = Counter()
+        for g in choice:
+            use[g.device_type] += g.size
+        if any(n > free[t] for t, n in use.items()):
+            continue
+        groups = [_group_of(stage) for stage in previous.stages]
+        for s, g in zip(lost, choice):
+            groups[s] = g
+        ev = evaluate(layers, groups, M, table=space.table, infos=space.infos, schedule=previous.schedule,
+                      links=space.links)  # fmt: skip
+        if ev.feasible and (best is None or ev.iteration_s < best[3].iteration_s):
+            best = (layers, groups, M, ev)
+    return best
+
+
 def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, migration: Migration | None):
     """The previous plan with lost stages re-decided (see the module docstring), or None.
 
-    Returns ``(stages, groups, M, evaluation)``. The model only offers the kept stages' groups
-    and groups that fit the devices the kept stages leave free, so it is small and fast."""
+    Returns ``(stages, groups, M, evaluation)``. First only the lost stages' groups are
+    re-decided, by enumeration (:func:`_replace_lost`); failing that, an ILP at the previous
+    microbatch count keeps the surviving stages' groups (and, first, their layers). It only
+    offers the kept groups and groups that fit the freed devices, so it is small and fast."""
     alive = model.cluster.devices()
     alive_refs = {d.ref for d in alive}
     M, S = previous.microbatches, len(previous.stages)
@@ -84,6 +118,9 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     free = Counter(d.device_type for d in alive)
     for s in kept:
         free[previous.stages[s].device_type] -= len(previous.stages[s].devices)
+    replaced = _replace_lost(previous, space, kept, free)
+    if replaced is not None:
+        return replaced
     kept_groups = {_group_of(previous.stages[s]) for s in kept}
     groups = [g for g in space.groups if g in kept_groups or g.size <= free[g.device_type]]
     for fix_layers in (True, False):
