@@ -102,7 +102,9 @@ class _Search:
         best = None
         for S in self.stage_counts(stage_counts):
             blocks = listed_blocks(self.model, self.space, S)
-            for M in self.candidates if blocks and not self.expired() else ():
+            for M in self.candidates if blocks else ():
+                if self.expired():
+                    break
                 split, groups = propose(S, M, blocks)
                 best = self.score(name, split, groups, M, best)
         return best
@@ -220,7 +222,9 @@ def greedy(
     space, L = search.space, search.space.layers
     for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, space, S)
-        for M in search.candidates if blocks and not search.expired() else ():
+        for M in search.candidates if blocks else ():
+            if search.expired():
+                break
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
             order = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
             power = [speed[t] * n for t, n in order]
@@ -279,7 +283,9 @@ def balanced(
     space = search.space
     for S in search.stage_counts(stage_counts):
         blocks = listed_blocks(model, space, S)
-        for M in search.candidates if blocks and not search.expired() else ():
+        for M in search.candidates if blocks else ():
+            if search.expired():
+                break
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
             order = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
             options = [[StageCosts(space, g, M) for g in configs_for(space, t, n, M)] for t, n in order]

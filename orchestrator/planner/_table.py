@@ -27,6 +27,11 @@ class CostTable:
     def __init__(self, model: CostModel, infos: dict[str, TypeInfo], global_batch: int):
         self.model, self.infos, self.global_batch = model, infos, global_batch
         self._entries: dict = {}
+        # identical layers (same signature and output size) share every entry
+        first: dict = {}
+        self._representative = [
+            first.setdefault((layer.signature, layer.activation_bytes), index) for index, layer in enumerate(model.layers)
+        ]
 
     def microbatch(self, group: GroupConfig, microbatches: int) -> int | None:
         """Samples per replica per microbatch, or None if the batch does not divide."""
@@ -36,6 +41,7 @@ class CostTable:
         return per_microbatch // group.dp
 
     def entry(self, layer: int, group: GroupConfig, microbatches: int) -> Entry:
+        layer = self._representative[layer]
         key = (layer, group, microbatches)
         if key not in self._entries:
             m = self.microbatch(group, microbatches)
@@ -57,6 +63,7 @@ class CostTable:
 
     def state_bytes(self, layer: int, device_type: str) -> float:
         """Parameters and optimizer state of ``layer``, unsharded: what moving it moves."""
+        layer = self._representative[layer]
         key = ("state", layer, device_type)
         if key not in self._entries:
             group = GroupConfig(device_type=device_type, size=1, tp=1, recompute=False)
