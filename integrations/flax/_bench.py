@@ -87,7 +87,9 @@ def _stage_costs(plan, su: Setup):
     out = []
     for s, stage in enumerate(plan.stages):
         tp = stage.tp if su.model.tensor_parallel else 1  # no axis names: TP shards nothing
-        config = ParallelConfig(tp=tp, dp=stage.dp, microbatch_size=stage.microbatch_size)
+        config = ParallelConfig(
+            tp=tp, dp=stage.dp, microbatch_size=stage.microbatch_size, accumulate_gradients=len(plan.stages) > 1
+        )
         fwd = bwd = upd = 0.0
         for index in stage.layers:
             cost = su.model.layer_cost(index, su.device_type, config)

@@ -9,8 +9,8 @@ stage holding the layer that first reads it, ``Layer.params``); its
                        (``heads``, ``mlp``, ``vocab``) and whose size tp divides
     dim i  → None      otherwise (replicated over "data": plain data parallelism)
 
-which is Megatron's column/row split for the recipes' kernels and is the same
-rule the cost model prices (``orchestrator.costs._sharding``). Optimizer-state
+which is Megatron's column/row split for the recipes' kernels; it is
+:func:`orchestrator.costs.sharded_dim`, the rule the cost model prices. Optimizer-state
 leaves whose key path ends with a parameter's key path and have its shape
 (AdamW's ``mu``, ``nu``) follow that parameter; with ``zero=True`` they are
 additionally split over ``"data"`` on their first free dimension that dp
@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from integrations.flax._capture import is_param_path, param_path_name
-from orchestrator.costs import DEFAULT_TP_AXES
+from orchestrator.costs import DEFAULT_TP_AXES, sharded_dim
 
 DATA, MODEL = "data", "model"
 
@@ -81,11 +81,9 @@ def stage_mesh(stage, devices: Mapping[str, jax.Device] | None = None) -> Mesh:
 def param_spec(shape: Sequence[int], axes: Sequence[str | None] | None, tp: int, tp_axes=DEFAULT_TP_AXES) -> P:
     """The PartitionSpec of one parameter under tensor-parallel degree ``tp`` (see module docstring)."""
     spec: list[str | None] = [None] * len(shape)
-    if tp > 1 and axes:
-        for i, (name, size) in enumerate(zip(axes, shape)):
-            if name in tp_axes and size % tp == 0:
-                spec[i] = MODEL
-                break
+    dim = sharded_dim(shape, axes, tp, tp_axes) if tp > 1 else None
+    if dim is not None:
+        spec[dim] = MODEL
     return P(*spec)
 
 

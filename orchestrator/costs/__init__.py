@@ -1,10 +1,17 @@
 """Cost model: per-layer time, memory and communication on each device type and parallel configuration."""
 
 from orchestrator.costs._collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import Liveness, liveness
 from orchestrator.costs._model import CostModel, LayerCost, ParallelConfig
 from orchestrator.costs._roofline import Efficiency, op_time_s
-from orchestrator.costs._sharding import DEFAULT_TP_AXES, TensorParallelTraits, param_role, tensor_parallel_traits
+from orchestrator.costs._sharding import (
+    DEFAULT_TP_AXES,
+    TensorParallelTraits,
+    param_role,
+    sharded_dim,
+    tensor_parallel_traits,
+)
 
 __all__ = [
     "DEFAULT_TP_AXES",
@@ -16,10 +23,13 @@ __all__ = [
     "TensorParallelTraits",
     "all_gather_s",
     "all_reduce_s",
+    "batch_independent_ops",
     "liveness",
     "op_time_s",
     "p2p_s",
     "param_role",
     "reduce_scatter_s",
+    "sharded_dim",
+    "synced_gradient_bytes",
     "tensor_parallel_traits",
 ]

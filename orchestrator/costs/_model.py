@@ -8,12 +8,13 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
     backward          += forward  when the layer recomputes its forward pass
     TP communication  = Σ_{all-reduced op ∈ ℓ} AR(bytes(op) · m/B, t)       (forward again under recompute)
     DP gradient sync  = AR(G, p)  or  RS(G, p) + AG(P, p)   with G = local gradient bytes, one per
-                        contribution (a tied parameter read by two layers counts in both), P = parameters
+                        contribution (a tied parameter read by two layers counts in both; a table read at
+                        batch-independent rows only those rows, see ``_gradients``), P = parameters
     parameters        = Σ_params bytes · (1/t if TP-sharded);   gradients the same
     optimizer state   = parameters · (optimizer bytes / parameter bytes) · (1/p under ZeRO)
     activations       = bytes live at the forward→backward boundary, per in-flight microbatch
                         (only the layer's input under recompute)
-    transient         = peak of the layer's own forward+backward minus the above
+    transient         = peak of the layer's own forward+backward temporaries (its outputs apart) minus the above
 
 Identical layers (same signature) share every entry: costs are cached by
 (signature, device type, configuration, links).
@@ -30,9 +31,10 @@ from typing import Literal
 from orchestrator.cluster import Cluster, Link
 from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
+from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import liveness, traffic_bytes
 from orchestrator.costs._roofline import Efficiency, op_time_s
-from orchestrator.costs._sharding import DEFAULT_TP_AXES, tensor_parallel_traits
+from orchestrator.costs._sharding import DEFAULT_TP_AXES, TensorParallelTraits, tensor_parallel_traits
 from orchestrator.graph import OpGraph
 
 DataParallelSync = Literal["all_reduce", "reduce_scatter"]
@@ -40,7 +42,13 @@ DataParallelSync = Literal["all_reduce", "reduce_scatter"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    """How one layer (or stage) runs: tensor/data-parallel degrees, microbatch, recompute, ZeRO."""
+    """How one layer (or stage) runs: tensor/data-parallel degrees, microbatch, recompute, ZeRO.
+
+    ``accumulate_gradients``: the stage sums its gradients over microbatches
+    into full-size buffers and syncs those (as the pipeline executor does);
+    otherwise the sync reads the backward pass's own gradients, and a table
+    read at batch-independent rows syncs only those rows (``_gradients``).
+    """
 
     tp: int = 1
     dp: int = 1
@@ -48,6 +56,7 @@ class ParallelConfig:
     recompute: bool = False
     zero: bool = False
     dp_sync: DataParallelSync = "all_reduce"
+    accumulate_gradients: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "microbatch_size"):
@@ -123,8 +132,10 @@ class CostModel:
         self.default_efficiency = default_efficiency or Efficiency()
         self.measured = dict(measured or {})
         self.measured_batch_size = measured_batch_size or batch_size
-        self.traits = tensor_parallel_traits(graph, param_axes or {}, tp_axes)
+        self.param_axes, self.tp_axes = dict(param_axes or {}), tp_axes
+        self.traits = tensor_parallel_traits(graph, self.param_axes, tp_axes)
         self.tensor_parallel = bool(param_axes)
+        self._constant_ops = batch_independent_ops(graph)
         param_shapes = {spec.shape for spec in graph.params.values()}
         self._batch_dependent = {
             op.name: op.phase != "optimizer"
@@ -147,8 +158,14 @@ class CostModel:
                 return host.intra_link
         raise KeyError(f"no host of device type {device_type!r} in cluster {self.cluster.name!r}")
 
+    @functools.cache  # noqa: B019 - one model per planning run; one entry per TP degree
+    def traits_for(self, tp: int) -> TensorParallelTraits:
+        """Tensor-parallel tags under degree ``tp``: a dim tp does not divide stays replicated."""
+        return tensor_parallel_traits(self.graph, self.param_axes, self.tp_axes, tp)
+
     def _scale(self, name: str, tp: int, microbatch: int) -> float:
-        s = 1.0 / tp if name in self.traits.split_ops or self.traits.roles[name] == "sharded" else 1.0
+        traits = self.traits_for(tp)
+        s = 1.0 / tp if name in traits.split_ops or traits.roles[name] == "sharded" else 1.0
         if self._batch_dependent[name]:
             s *= microbatch / self.batch_size
         return s
@@ -159,20 +176,21 @@ class CostModel:
         return next(layer.index for layer in self.layers if layer.signature == signature)
 
     @functools.cache  # noqa: B019 - one model per planning run; entries are per signature
-    def _phase_times(self, index: int, device_type: str) -> dict[tuple[str, bool, bool], float]:
+    def _phase_times(self, index: int, device_type: str, tp: int) -> dict[tuple[str, bool, bool], float]:
         """Unscaled op times summed by (phase, split by TP, batch-dependent)."""
         device = self.cluster.device_types[device_type]
         eff = self.efficiency_of(device_type)
+        split_ops = self.traits_for(tp).split_ops
         times: dict[tuple[str, bool, bool], float] = defaultdict(float)
         for name in self.layers[index].ops:
             op = self.graph.op(name)
-            key = (op.phase, name in self.traits.split_ops, self._batch_dependent[name])
+            key = (op.phase, name in split_ops, self._batch_dependent[name])
             times[key] += op_time_s(op, device, eff, self.traffic[name])
         return dict(times)
 
     def _modelled_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
         total = 0.0
-        for (ph, split, batch_dep), t in self._phase_times(self._representative(index), device_type).items():
+        for (ph, split, batch_dep), t in self._phase_times(self._representative(index), device_type, tp).items():
             if ph == phase:
                 total += t * (1 / tp if split else 1) * (microbatch / self.batch_size if batch_dep else 1)
         return total
@@ -186,11 +204,12 @@ class CostModel:
         measured = getattr(timing, f"{phase}_s")
         return measured * (modelled / at_profile) if at_profile > 0 else measured
 
-    def tp_allreduce_bytes(self, index: int, microbatch: int) -> dict[str, float]:
-        """Per-device operand bytes of the layer's TP all-reduces, by phase."""
+    def tp_allreduce_bytes(self, index: int, microbatch: int, tp: int) -> dict[str, float]:
+        """Per-device operand bytes of the layer's all-reduces under tensor-parallel degree ``tp``, by phase."""
+        allreduce_ops = self.traits_for(tp).allreduce_ops
         out: dict[str, float] = defaultdict(float)
         for name in self.layers[index].ops:
-            if name in self.traits.allreduce_ops:
+            if name in allreduce_ops:
                 op = self.graph.op(name)
                 out[op.phase] += sum(t.nbytes for t in op.outputs) * self._scale_batch(name, microbatch)
         return dict(out)
@@ -201,11 +220,21 @@ class CostModel:
     def local_param_bytes(self, index: int, tp: int) -> float:
         return self._local_bytes(self.layers[index].params, tp)
 
+    def _local_fraction(self, path: str, tp: int) -> float:
+        return 1 / tp if self.traits_for(tp).param_roles[path] in ("column", "row") else 1.0
+
     def _local_bytes(self, paths, tp: int) -> float:
+        return sum(self.graph.params[path].nbytes * self._local_fraction(path, tp) for path in paths)
+
+    def dp_sync_bytes(self, index: int, tp: int, *, accumulate_gradients: bool = False) -> float:
+        """Per-device gradient bytes layer ``index`` contributes to the data-parallel sync (``_gradients``)."""
         total = 0.0
-        for path in paths:
-            nbytes = self.graph.params[path].nbytes
-            total += nbytes / tp if self.traits.param_roles[path] in ("column", "row") else nbytes
+        for path in self.gradient_contributions(index):
+            if accumulate_gradients:
+                nbytes = float(self.graph.params[path].nbytes)
+            else:
+                nbytes = synced_gradient_bytes(self.graph, self.layers[index].ops, path, self._constant_ops)
+            total += nbytes * self._local_fraction(path, tp)
         return total
 
     @functools.cache  # noqa: B019 - one model per planning run
@@ -233,10 +262,10 @@ class CostModel:
             self.graph,
             ops,
             scale=lambda n: self._scale(n, tp, microbatch),
-            allreduced=self.traits.allreduce_ops if tp > 1 else frozenset(),
+            allreduced=self.traits_for(tp).allreduce_ops if tp > 1 else frozenset(),
         )
         kept = result.boundary_bytes
-        return kept, max(0.0, result.peak_bytes - result.output_bytes - kept)
+        return kept, max(0.0, result.peak_bytes - kept)
 
     # -- the entry point ------------------------------------------------------
     def layer_cost(
@@ -263,13 +292,15 @@ class CostModel:
             optimizer /= config.dp
         if config.recompute:
             backward += forward
-        ar = self.tp_allreduce_bytes(index, m) if t > 1 else {}
+        ar = self.tp_allreduce_bytes(index, m, t) if t > 1 else {}
         tp_fwd, tp_bwd = ar.get("forward", 0.0), ar.get("backward", 0.0)
         if config.recompute:
             tp_bwd += tp_fwd
         tp_comm = coll.all_reduce_s(tp_fwd, t, tp_link) + coll.all_reduce_s(tp_bwd, t, tp_link)
         params = self.local_param_bytes(index, t)
-        gradients = self._local_bytes(self.gradient_contributions(index), t)
+        # ZeRO and reduce-scatter sync full-size gradients, as accumulation does
+        whole = config.accumulate_gradients or config.zero or config.dp_sync != "all_reduce"
+        gradients = self.dp_sync_bytes(index, t, accumulate_gradients=whole)
         if config.dp_sync == "all_reduce" and not config.zero:
             dp_sync = coll.all_reduce_s(gradients, config.dp, dp_link)
         else:

@@ -1,5 +1,6 @@
 """Cost model: collective formulas, tensor-parallel tags, and agreement with XLA's compiled programs."""
 
+import functools
 import math
 
 import flax.linen as nn
@@ -18,10 +19,14 @@ from orchestrator.costs import (
     ParallelConfig,
     all_gather_s,
     all_reduce_s,
+    liveness,
     p2p_s,
     param_role,
     reduce_scatter_s,
+    sharded_dim,
 )
+from orchestrator.costs._liveness import materialized_ops
+from orchestrator.graph import Op, OpGraph, TensorSpec
 from recipes import get_recipe
 from recipes.gpt import Block, GPTConfig
 
@@ -55,6 +60,28 @@ def test_collective_formulas():
 )
 def test_param_roles(axes, role):
     assert param_role(axes, TP) == role
+
+
+def test_a_dim_the_degree_does_not_divide_stays_replicated():
+    qkv = ("embed", None, "heads", "kv")
+    assert sharded_dim((64, 3, 4, 16), qkv, 4, TP) == 2
+    assert sharded_dim((64, 3, 4, 16), qkv, 8, TP) is None  # 4 heads over 8 devices
+    assert param_role(qkv, TP, shape=(64, 3, 4, 16), tp=8) == "param"
+    assert param_role(("mlp", "embed"), TP, shape=(256, 64), tp=8) == "row"
+    # the first divisible named dim wins, as the executor places it
+    assert sharded_dim((6, 8), ("heads", "mlp"), 4, TP) == 1
+
+
+def test_executor_places_parameters_by_the_rule_the_costs_price():
+    from integrations.flax._shard import MODEL, param_spec
+
+    recipe = get_recipe("gpt-tiny")
+    shapes = {path: spec.shape for path, spec in _gpt_tiny()[0].params.items()}
+    for tp in (2, 4, 8):
+        for path, axes in recipe.param_axes().items():
+            spec = tuple(param_spec(shapes[path], axes, tp)) + (None,) * len(shapes[path])
+            dim = sharded_dim(shapes[path], axes, tp, frozenset({"heads", "mlp", "vocab"}))
+            assert [i for i, entry in enumerate(spec) if entry == MODEL] == ([] if dim is None else [dim]), path
 
 
 def test_parallel_config_is_validated():
@@ -114,8 +141,9 @@ def test_block_collectives_and_memory_match_xla(dp, tp):
     x_local = math.prod(x.shape) * 4 / dp
     predicted = cost.memory_bytes(1) + 2 * x_local
     print(f"DP{dp}xTP{tp}: memory predicted {predicted:.4g}, XLA {measured.peak_bytes:.4g}")
-    # The issue asks 10%; at gpt2-small size DP2xTP4 misses it (-12.9%, see README), so 15% guards here.
-    assert predicted == pytest.approx(measured.peak_bytes, rel=0.15)
+    # The issue asks 10%: this block meets it (+6%, +2%, -5%); gpt2-small's DP2xTP4 misses it (-11.5%,
+    # XLA:CPU keeps four broadcast LayerNorm operands the model gives no buffer: orchestrator.costs._liveness).
+    assert predicted == pytest.approx(measured.peak_bytes, rel=0.10)
 
 
 def test_tensor_parallel_splits_compute_and_parameters():
@@ -185,3 +213,121 @@ def test_measured_times_are_used_on_their_device_and_scaled():
     half = model.layer_cost(2, kind, ParallelConfig(microbatch_size=4))
     assert half.forward_s == pytest.approx(0.5, rel=0.05)
     assert half.optimizer_s == pytest.approx(0.5)  # the update does not scale with the batch
+
+
+@functools.cache
+def _gpt_tiny(batch: int = 16, seq: int = 16):
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(batch, seq))
+    return graph, coarsen(graph)
+
+
+def test_tensor_parallelism_leaves_attention_replicated_when_tp_does_not_divide_the_heads():
+    graph, layers = _gpt_tiny()
+    model = CostModel(
+        graph, layers, load_cluster("a100x8"), batch_size=16, param_axes=get_recipe("gpt-tiny").param_axes()
+    )
+    block = layers[1]
+    attention = [n for n in block.ops if "/attn" in graph.op(n).scope]
+    assert set(attention) & model.traits_for(4).split_ops
+    assert not set(attention) & model.traits_for(8).split_ops  # gpt-tiny has 4 heads
+    kernel = "blocks_0/attn/c_attn/kernel"
+    assert model.traits_for(8).param_roles[kernel] == "param"
+    assert model.local_param_bytes(1, 8) > model.local_param_bytes(1, 4)  # whole attention on every device
+    # TP8 all-reduces only the MLP's activations in a block: one forward, one backward
+    activation = 16 * 16 * 64 * 4
+    assert model.tp_allreduce_bytes(1, 16, 8) == {"forward": activation, "backward": activation}
+    assert model.tp_allreduce_bytes(1, 16, 4) == {"forward": 2 * activation, "backward": 2 * activation}
+
+
+def test_vocabulary_split_lookup_and_cross_entropy_are_all_reduced():
+    graph, layers = _gpt_tiny()
+    model = CostModel(
+        graph, layers, load_cluster("a100x8"), batch_size=16, param_axes=get_recipe("gpt-tiny").param_axes()
+    )
+    tokens = 16 * 16
+    # embedding: each device looks up the rows of its vocabulary shard, then one all-reduce
+    assert model.tp_allreduce_bytes(0, 16, 4) == {"forward": tokens * 64 * 4}
+    # head: the max and the sum of exponentials over the vocabulary and the label's logit (forward),
+    # the input gradient of the vocabulary-split projection (backward)
+    assert model.tp_allreduce_bytes(3, 16, 4) == {"forward": 3 * tokens * 4, "backward": tokens * 64 * 4}
+
+
+def test_positional_table_syncs_only_the_rows_read():
+    graph, layers = _gpt_tiny()  # sequence 16 of the table's 64 positions
+    model = CostModel(graph, layers, load_cluster("a100x8"), batch_size=16)
+    wte, wpe = 256 * 64 * 4, 64 * 64 * 4
+    assert model.layer_cost(0, "a100", ParallelConfig(dp=8, microbatch_size=2)).dp_sync_bytes == wte + wpe * 16 / 64
+    # a pipeline accumulates full-size gradients over microbatches and syncs them whole
+    accumulated = ParallelConfig(dp=8, microbatch_size=2, accumulate_gradients=True)
+    assert model.layer_cost(0, "a100", accumulated).dp_sync_bytes == wte + wpe
+
+
+@pytest.mark.parametrize("plan_name", ["DP8", "TP8", "DP2xTP4"])
+def test_gpt_tiny_collectives_match_xla(plan_name):
+    from integrations.flax._communication import measured_collectives, predicted_collectives
+    from integrations.flax._parity import check_plan
+    from integrations.flax._shard import shard
+    from integrations.flax._step import compile_step
+
+    recipe = get_recipe("gpt-tiny")
+    graph, layers = _gpt_tiny()
+    cluster = load_cluster("local")
+    [device_type] = cluster.device_types
+    model = CostModel(graph, layers, cluster, batch_size=16, param_axes=recipe.param_axes())
+    plan = check_plan(plan_name, global_batch=16, device_type=device_type)
+    state = jax.jit(recipe.create_state)(jax.random.key(0))
+    batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in recipe.batch_spec(16, 16).items()}
+    placed = shard(plan, state, param_axes=recipe.param_axes())
+    step = compile_step(plan, recipe.train_step, placed, param_axes=recipe.param_axes())
+    [measured], _ = measured_collectives(step, placed, batch)
+    [predicted] = predicted_collectives(plan, model, device_type)
+    # exact but for the 4-byte loss XLA all-reduces under data parallelism
+    assert measured["all-reduce"] - predicted["all-reduce"] in (0, 4), (measured, predicted)
+    assert {k: v for k, v in measured.items() if k != "all-reduce"} == dict.fromkeys(
+        measured.keys() - {"all-reduce"}, 0
+    )
+
+
+def _op(name, kind, phase, nbytes=1024, **fields):
+    spec = TensorSpec(shape=(nbytes // 4,), dtype="float32")
+    primitive = {"matmul": "dot_general", "elementwise": "mul"}[kind]
+    return Op(name=name, kind=kind, primitive=primitive, inputs=(spec,), outputs=(spec,), phase=phase, **fields)
+
+
+def _chain(edges, ops):
+    graph = OpGraph()
+    for op in ops:
+        graph.add_op(op)
+    for src, dst in edges:
+        graph.add_edge(src, dst, nbytes=graph.op(src).outputs[0].nbytes)
+    return graph
+
+
+def test_a_residual_recomputed_from_a_kept_value_gets_no_buffer():
+    # GELU: t = tanh(a) is kept for the backward; m = 0.5·(1 + t) is read by the forward and the
+    # backward, and XLA recomputes it from t rather than keep a second buffer
+    ops = [
+        _op("a", "matmul", "forward"),
+        _op("t", "elementwise", "forward"),
+        _op("m", "elementwise", "forward"),
+        _op("h", "elementwise", "forward"),
+        _op("y", "matmul", "forward"),
+        _op("g", "matmul", "backward"),
+        _op("bm", "elementwise", "backward"),
+        _op("bt", "elementwise", "backward"),
+        _op("dw", "matmul", "backward"),
+    ]
+    edges = [("a", "t"), ("t", "m"), ("t", "bt"), ("m", "h"), ("a", "h"), ("h", "y"), ("y", "g")]
+    edges += [("m", "bm"), ("g", "bm"), ("bm", "bt"), ("bt", "dw")]
+    materialized = materialized_ops(_chain(edges, ops))
+    assert materialized["t"] and materialized["a"]
+    assert not materialized["m"]
+
+
+def test_program_outputs_are_apart_from_the_temporary_peak():
+    # a 4 KiB output produced first, then a 1 KiB temporary: XLA allocates the output apart
+    ops = [_op("out", "matmul", "backward", 4096), _op("x", "matmul", "backward"), _op("y", "matmul", "backward")]
+    result = liveness(_chain([("x", "y")], ops))
+    assert result.output_bytes == 4096 + 1024  # y is read by nothing either
+    assert result.peak_bytes == 1024
