@@ -11,6 +11,7 @@ run around every step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
@@ -31,12 +32,32 @@ class OrchestratedTrainState:
       step_fn: ``step_fn(state, batch) -> (state, metrics)`` (pure; ``step`` wraps it).
       callbacks: run around each ``step``.
       steps_done: number of steps run.
+      train_step, param_axes, cluster, zero: what ``step_fn`` was compiled from (``switch`` compiles again).
+      pipeline_options: keyword arguments for the pipeline executor of every multi-stage plan this
+        run compiles, now and after a ``switch`` (``timed``, ``slowdown``: see ``Pipeline``).
     """
 
-    def __init__(self, *, state, plan, graph, layers, cost_model, step_fn, callbacks: CallbackList):
+    def __init__(
+        self,
+        *,
+        state,
+        plan,
+        graph,
+        layers,
+        cost_model,
+        step_fn,
+        callbacks: CallbackList,
+        train_step: Callable | None = None,
+        param_axes: Mapping | None = None,
+        cluster=None,
+        zero: bool = False,
+        pipeline_options: Mapping | None = None,
+    ):
         self.state, self.plan = state, plan
         self.graph, self.layers, self.cost_model = graph, layers, cost_model
         self.step_fn, self.callbacks = step_fn, callbacks
+        self.train_step, self.param_axes, self.cluster, self.zero = train_step, param_axes, cluster, zero
+        self.pipeline_options = dict(pipeline_options or {})
         self.steps_done = 0
         self._begun = False
 
@@ -52,6 +73,38 @@ class OrchestratedTrainState:
         return metrics
 
     __call__ = step
+
+    def switch(self, plan, *, cluster=None, cost_model=None) -> float:
+        """Execute ``plan`` from the next step on, continuing from the current state.
+
+        The state is resharded onto the new plan's devices (parameters and optimizer state
+        move; nothing is reset) and its step is built; XLA compiles it in the next step.
+
+        Args:
+          plan: the new plan.
+          cluster: the cluster its device refs name (default: this run's).
+          cost_model: the cost model it was made with (kept as ``cost_model``).
+
+        Returns:
+          Seconds the reshard took.
+        """
+        if self.train_step is None:
+            raise ValueError("this run was built without its train_step; build it with orchestrate() to switch plans")
+        cluster = cluster if cluster is not None else self.cluster
+        started = time.perf_counter()
+        placed = shard(
+            plan, self.state, param_axes=self.param_axes, layers=self.layers, cluster=cluster, zero=self.zero
+        )
+        placed = jax.block_until_ready(placed)
+        seconds = time.perf_counter() - started
+        self.step_fn = compile_step(
+            plan, self.train_step, placed, param_axes=self.param_axes, layers=self.layers, cluster=cluster,
+            zero=self.zero, **self.pipeline_options,
+        )  # fmt: skip
+        self.state, self.plan, self.cluster = placed, plan, cluster
+        if cost_model is not None:
+            self.cost_model = cost_model
+        return seconds
 
     def close(self) -> None:
         """Signal the end of training to the callbacks (final checkpoint, ...)."""
@@ -80,6 +133,7 @@ def orchestrate(
     max_stages: int | None = None,
     time_limit_s: float = 10.0,
     zero: bool = False,
+    pipeline_options: Mapping | None = None,
 ) -> OrchestratedTrainState:
     """Capture, plan, shard and compile ``train_step`` for ``cluster``.
 
@@ -97,6 +151,8 @@ def orchestrate(
       profile: time the layers on the local device and use those times (``local`` cluster only).
       max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`.
       zero: shard optimizer moments over data-parallel replicas.
+      pipeline_options: keyword arguments for the pipeline executor of multi-stage plans (``timed``,
+        ``slowdown``), kept for plans the run switches to.
 
     Returns:
       An :class:`OrchestratedTrainState`; call ``.step(batch)`` in the loop.
@@ -132,7 +188,10 @@ def orchestrate(
 
         plan = make_plan(model, global_batch=global_batch, max_stages=max_stages, time_limit_s=time_limit_s)
     placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero)
-    step_fn = compile_step(plan, train_step, placed, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero)
+    options = dict(pipeline_options or {})
+    step_fn = compile_step(
+        plan, train_step, placed, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero, **options
+    )
     return OrchestratedTrainState(
         state=placed,
         plan=plan,
@@ -141,4 +200,9 @@ def orchestrate(
         cost_model=model,
         step_fn=step_fn,
         callbacks=CallbackList(callbacks),
+        train_step=train_step,
+        param_axes=param_axes,
+        cluster=cluster,
+        zero=zero,
+        pipeline_options=options,
     )

@@ -45,7 +45,8 @@ per replica by its producer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import jax
@@ -230,9 +231,31 @@ class Pipeline:
       layers: the coarsened layers of the step the plan was made for.
       param_axes: logical axis names by parameter path (tensor parallelism inside stages).
       cluster: resolves the plan's device refs.
+      timed: block on every program call and add its wall time and the process's CPU time during it
+        to its stage (``stage_busy_s``, ``stage_cpu_s``). This serialises the stages; on virtual CPU
+        devices sharing a few cores they barely overlap anyway.
+      slowdown: fault injection, jax device id → extra forward runs: each forward of a stage using that
+        device is run that many more times (the most any of its devices asks for), results discarded,
+        so the stage really does more work. Read at every step: change the mapping to start or stop it.
+
+    Attributes:
+      stage_busy_s: per stage, the wall seconds its programs ran during the last step (``timed`` only).
+      stage_cpu_s: per stage, the CPU seconds this process spent while they ran: on virtual CPU
+        devices, the work itself, unaffected by other processes on the machine (``timed`` only).
     """
 
-    def __init__(self, plan, train_step: Callable, state, *, layers, param_axes=None, cluster=None):
+    def __init__(
+        self,
+        plan,
+        train_step: Callable,
+        state,
+        *,
+        layers,
+        param_axes=None,
+        cluster=None,
+        timed: bool = False,
+        slowdown: Mapping[int, int] | None = None,
+    ):
         if not hasattr(state, "apply_gradients"):
             raise ValueError(
                 "a multi-stage plan needs a Flax TrainState (its apply_gradients runs each stage's update); "
@@ -249,6 +272,17 @@ class Pipeline:
         # Per state leaf: the stage owning it (a parameter or its optimizer moments), None if shared.
         self.leaf_owner = [None if name is None else self.owners[name] for name, _ in leaf_params(state)]
         self._updates = [self._update_fn(s) for s in range(len(plan.stages))]
+        # Observation and fault injection (the Replanner and its tests; see ``stage_busy_s``).
+        self.timed = timed
+        self.slowdown = slowdown if slowdown is not None else {}
+        self.stage_busy_s: list[float] = [0.0] * len(plan.stages)
+        self.stage_cpu_s: list[float] = [0.0] * len(plan.stages)
+
+    def _extra_forwards(self, s: int) -> int:
+        """Extra forward runs stage ``s`` makes per forward: the most any of its devices asks for."""
+        if not self.slowdown:
+            return 0
+        return max(self.slowdown.get(d.id, 0) for d in self.meshes[s].devices.flat)
 
     # -- placement --------------------------------------------------------------
     def act_sharding(self, s: int, aval, microbatch: int) -> NamedSharding:
@@ -545,9 +579,17 @@ class Pipeline:
             self.dispatches += 1
             return jax.device_put(*args, **kwargs)
 
-        def call(fn, *args):
+        busy, cpu = [0.0] * n, [0.0] * n
+
+        def call(fn, *args, stage: int):
             self.dispatches += 1
-            return fn(*args)
+            if not self.timed:
+                return fn(*args)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            out = jax.block_until_ready(fn(*args))
+            busy[stage] += time.perf_counter() - start
+            cpu[stage] += time.process_time() - start_cpu
+            return out
 
         batch_leaves = jax.tree.leaves(batch)
         flat_state, treedef = jax.tree_util.tree_flatten(state)
@@ -594,11 +636,13 @@ class Pipeline:
             if mb == 0:
                 self._note(s, "forward", f["forward"], (args,))
             if f["recompute"]:
-                outs = call(f["forward"], args)
+                outs = call(f["forward"], args, stage=s)
                 residuals[(s, mb)] = args
             else:
-                outs, vjp = call(f["forward"], args)
+                outs, vjp = call(f["forward"], args, stage=s)
                 residuals[(s, mb)] = vjp
+            for _ in range(self._extra_forwards(s)):  # injected slowdown: the same work again, discarded
+                call(f["forward"], args, stage=s)
             for key, value in zip(p.outputs, outs):
                 if key == "loss":
                     losses.append(value)
@@ -629,7 +673,7 @@ class Pipeline:
                 ]
             if mb == 0:
                 self._note(s, "backward", f["backward"], (saved, out_cts, acc))
-            accumulated[s], in_cts = call(f["backward"], saved, out_cts, acc)
+            accumulated[s], in_cts = call(f["backward"], saved, out_cts, acc, stage=s)
             if f["recompute"]:
                 for kind in p.inputs:
                     if kind[0] == "act":
@@ -638,7 +682,7 @@ class Pipeline:
                 _, producer, key = p.inputs[i]
                 ct = put(ct, self.act_sharding(producer, ct, micro))
                 prev = cts.get((producer, mb, key))
-                cts[(producer, mb, key)] = ct if prev is None else call(_add, prev, ct)
+                cts[(producer, mb, key)] = ct if prev is None else call(_add, prev, ct, stage=producer)
 
         orders = schedule_order(n, m, plan.schedule)
         done: set[tuple[str, int, int]] = set()
@@ -675,7 +719,7 @@ class Pipeline:
                 else:
                     if fns[s]["dp"] > 1:  # this stage's replicas sync their share before it moves
                         self._note(s, "update", _sum0, (g,))
-                        g = call(_sum0, g)
+                        g = call(_sum0, g, stage=s)
                     g = put(g, self.param_sharding(owner, path, g.shape))
                     extra[owner].setdefault(path, []).append(g)
 
@@ -701,12 +745,13 @@ class Pipeline:
                 state.params,
             )
             self._note(s, "update", self._updates[s], (masked_state, masked_grads, extra[s]))
-            updated = jax.tree_util.tree_leaves(call(self._updates[s], masked_state, masked_grads, extra[s]))
+            updated = jax.tree_util.tree_leaves(call(self._updates[s], masked_state, masked_grads, extra[s], stage=s))
             positions = [i for i in range(len(flat_state)) if self.leaf_owner[i] in (s, None)]
             for i, leaf in zip(positions, updated):
                 if self.leaf_owner[i] == s or s == 0:
                     new_leaves[i] = leaf
         loss = jnp.mean(jnp.stack(losses))
+        self.stage_busy_s, self.stage_cpu_s = busy, cpu
         return jax.tree_util.tree_unflatten(treedef, new_leaves), {"loss": loss}
 
 

@@ -66,7 +66,7 @@ def compile_step(
       state: the state as :func:`~integrations.flax.shard` placed it (or abstract, same structure).
       param_axes, layers, cluster, zero: as for :func:`~integrations.flax.shard`.
       **pipeline: for multi-stage plans, passed to :class:`~integrations.flax._pipeline.Pipeline`
-        (``batch_spec``, ``graph``).
+        (``timed``, ``slowdown``); single-stage plans ignore them.
 
     Returns:
       ``step(state, batch) -> (state, metrics)``.

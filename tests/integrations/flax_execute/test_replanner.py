@@ -1,0 +1,238 @@
+"""The Replanner on a real pipeline: a slowed stage loses layers, a one-step spike changes nothing.
+
+One run (module fixture) of a 4-layer GPT (embedding, two blocks, head) on 8 virtual devices,
+starting from an explicit plan: layers 0–1 on devices 0–3, layers 2–3 on devices 4–7. The
+slowdown is real extra work: every forward of a stage on devices 0–3 runs ``EXTRA`` more times
+(``Pipeline(slowdown=...)``), about 1 + EXTRA/3 times the stage's work. Timeline:
+
+    step 0            compile
+    steps 1–5         calibration
+    step SPIKE        slowdown for this step only
+    steps ONSET–…     slowdown from here on: the Replanner must switch within BOUND steps
+    switch + 1        the new plan compiles; then calibration and a few more steps
+"""
+
+import itertools
+import logging
+import math
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from integrations.callbacks import Callback, Replanner
+from integrations.callbacks._slowed import SlowedCosts, price, slowed_cluster, step_s, translate
+from integrations.flax import orchestrate
+from integrations.flax._shard import device_map
+from orchestrator.costs import ParallelConfig
+from orchestrator.planner import Plan, Stage, replan
+from recipes import synthetic_batch
+from recipes._registry import Recipe
+from recipes.gpt import GPTConfig
+
+BATCH, SEQ, MICROBATCHES = 32, 32, 2
+EXTRA = 12
+WINDOW, THRESHOLD, PATIENCE = 5, 1.3, 3
+SPIKE, ONSET = 7, 12
+BOUND = math.ceil(WINDOW / 2) + PATIENCE  # steps from the onset to the switch decision, 2 of them slack
+AFTER = WINDOW + 3  # steps run after the new plan compiled
+
+
+def _stage(layers, devices):
+    return Stage(
+        layers=tuple(layers),
+        device_type=jax.devices()[0].device_kind,
+        devices=tuple(f"localhost/{i}" for i in devices),
+        tp=1,
+        dp=4,
+        recompute=False,
+        microbatch_size=BATCH // MICROBATCHES // 4,
+        time_s=0.0,
+        memory_bytes=0.0,
+    )
+
+
+class _LastState(Callback):
+    def on_step_end(self, step, metrics, *, state=None):
+        self.state = state
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    config = GPTConfig(vocab_size=256, max_seq_len=SEQ, num_layers=2, num_heads=4, d_model=256)
+    recipe = Recipe(name="gpt-replan", config=config, batch_size=BATCH, seq_len=SEQ)
+    state = jax.jit(recipe.create_state)(jax.random.key(0))
+    batches = [synthetic_batch(jax.random.key(i), BATCH, SEQ, config.vocab_size) for i in range(4)]
+    plan = Plan(
+        stages=(_stage((0, 1), range(4)), _stage((2, 3), range(4, 8))),
+        schedule="1f1b",
+        microbatches=MICROBATCHES,
+        global_batch=BATCH,
+        iteration_s=0.0,
+    )
+    slowdown: dict[int, int] = {}
+    run = orchestrate(
+        state,
+        recipe.train_step,
+        "local",
+        batch=batches[0],
+        param_axes=recipe.param_axes(),
+        plan=plan,
+        pipeline_options={"slowdown": slowdown},
+    )
+    slowed = {d.id for d in jax.devices()[:4]}
+    # Same drift, same numbers; a one-step horizon never pays for a recompile.
+    cautious = Replanner(run, window=WINDOW, threshold=THRESHOLD, patience=PATIENCE, horizon_steps=1)
+    replanner = Replanner(run, window=WINDOW, threshold=THRESHOLD, patience=PATIENCE, horizon_steps=200)
+    last = _LastState()
+    run.callbacks.callbacks += [last, cautious, replanner]
+    records = _Records()
+    logger = logging.getLogger("orchestrator.replanner")
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    out = types.SimpleNamespace(
+        recipe=recipe, batches=batches, run=run, replanner=replanner, cautious=cautious, records=records,
+        losses=[], layers_on_slowed=[], switch=None, states={},
+    )  # fmt: skip
+    try:
+        for step in range(ONSET + BOUND + 2 + AFTER):
+            slowdown.clear()
+            if step == SPIKE or step >= ONSET:
+                slowdown.update(dict.fromkeys(slowed, EXTRA))
+            plan_before = run.plan
+            out.losses.append(float(run.step(batches[step % 4])["loss"]))
+            out.layers_on_slowed.append(_layers_on(run, slowed))
+            if out.switch is None and run.plan is not plan_before:
+                out.switch = step
+                out.states["before"] = _host(last.state)  # what the old plan's step returned
+                out.states["switched"] = _host(run.state)  # resharded onto the new plan
+            if out.switch is not None and step == out.switch + 1:
+                out.states["after"] = _host(run.state)
+            if out.switch is not None and step >= out.switch + 1 + AFTER:
+                break
+    finally:
+        logger.removeHandler(records)
+    return out
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _layers_on(run, devices) -> int:
+    """Layers held by stages running on any of ``devices`` (jax ids)."""
+    placed = device_map(run.cluster)
+    return sum(len(s.layers) for s in run.plan.stages if {placed[r].id for r in s.devices} & devices)
+
+
+def test_slowed_stage_loses_layers_within_bounded_steps_and_step_time_improves(scenario):
+    replanner, switch = scenario.replanner, scenario.switch
+    assert switch is not None, [d.message for d in replanner.decisions]
+    assert ONSET + math.ceil(WINDOW / 2) - 1 <= switch <= ONSET + BOUND
+    [decision] = [d for d in replanner.decisions if d.action == "switch"]
+    assert decision.step == switch
+    assert decision.gain_s > decision.cost_s > 0
+    assert decision.predicted_new_s < decision.predicted_current_s
+    assert decision.drift[0] > THRESHOLD and decision.stage_layers == ((0, 1), (2, 3))
+    assert scenario.layers_on_slowed[switch - 1] == 2 and scenario.layers_on_slowed[-1] < 2
+    # The same drift with a one-step horizon: a new plan is proposed, and rejected because it does not pay.
+    [kept] = [d for d in scenario.cautious.decisions if d.action == "keep"]
+    assert kept.step == switch and kept.new_stage_layers != kept.stage_layers
+    assert 0 < kept.gain_s < kept.cost_s
+    # Measured, on both clocks: the slowed steps before the switch against those after the new plan compiled.
+    for times in (replanner.step_cpu_s, replanner.step_times_s):
+        before = np.median([times[s] for s in range(ONSET, switch + 1)])
+        after = np.median([times[s] for s in range(switch + 2, switch + 2 + AFTER)])
+        assert after < 0.8 * before, (before, after)
+    [switched] = [d for d in replanner.decisions if d.action == "switched"]
+    assert switched.step == switch + 1 + WINDOW and switched.cost_s > 0
+    for d in replanner.decisions:
+        assert d.message in scenario.records.messages
+
+
+def test_one_step_spike_does_not_switch(scenario):
+    decisions = scenario.replanner.decisions
+    [outlier] = [d for d in decisions if d.step == SPIKE]
+    assert outlier.action == "outlier" and outlier.drift[0] > 2 * THRESHOLD  # the spike was real and seen
+    assert all(d.action in ("calibrate", "outlier") for d in decisions if d.step < ONSET)
+    assert scenario.layers_on_slowed[:ONSET] == [2] * ONSET
+
+
+def test_training_continues_from_the_switched_state(scenario):
+    losses, switch = scenario.losses, scenario.switch
+    assert all(math.isfinite(x) for x in losses)
+    assert all(b < a for a, b in itertools.pairwise(losses))
+    # The resharded state is the state the old plan ended with (nothing reset) ...
+    jax.tree.map(np.testing.assert_array_equal, scenario.states["switched"], scenario.states["before"])
+    # ... and the new plan's first step from it is the step one device takes from it.
+    state, metrics = jax.jit(scenario.recipe.train_step)(
+        scenario.states["switched"], scenario.batches[(switch + 1) % 4]
+    )
+    np.testing.assert_allclose(losses[switch + 1], float(metrics["loss"]), rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, np.asarray(b), rtol=1e-4, atol=1e-6),
+        scenario.states["after"],
+        state,
+    )
+
+
+def test_slowed_devices_get_a_type_of_their_own(scenario):
+    run = scenario.run
+    base_model = run.cost_model.base if isinstance(run.cost_model, SlowedCosts) else run.cost_model
+    base = base_model.cluster
+    cluster, refs, slowed = slowed_cluster(base, {1: 3.0, 2: 3.0, 5: 2.0})
+    kind = base.hosts[0].device_type
+    assert [d.device_type for d in cluster.all_devices()] == [
+        kind, f"{kind} ×3", f"{kind} ×3", kind, kind, f"{kind} ×2", kind, kind,
+    ]  # fmt: skip
+    assert [device_map(cluster)[r] for r in refs] == jax.devices()  # same devices, renamed
+    assert slowed == {f"{kind} ×3": (kind, 3.0), f"{kind} ×2": (kind, 2.0)}
+    model = SlowedCosts(base_model, cluster, slowed)
+    config = ParallelConfig(microbatch_size=4)
+    fast, slow = model.layer_cost(1, kind, config), model.layer_cost(1, f"{kind} ×3", config)
+    assert slow.forward_s == pytest.approx(3 * fast.forward_s) and slow.backward_s == pytest.approx(3 * fast.backward_s)
+    assert slow.param_bytes == fast.param_bytes
+    plan = Plan(
+        stages=(_stage((0, 1, 2, 3), range(4)),), schedule="1f1b", microbatches=1, global_batch=BATCH, iteration_s=0
+    )
+    base_refs = [d.ref for d in base.all_devices()]
+    with pytest.raises(ValueError, match="span device types"):
+        translate(plan, cluster, base_refs, refs)
+
+
+def test_planner_moves_layers_off_devices_marked_slow(scenario):
+    run = scenario.run
+    base_model = run.cost_model.base if isinstance(run.cost_model, SlowedCosts) else run.cost_model
+    base = base_model.cluster
+    cluster, refs, slowed = slowed_cluster(base, dict.fromkeys(range(4), 4.0))
+    model = SlowedCosts(base_model, cluster, slowed)
+    even = Plan(
+        stages=(_stage((0, 1), range(4)), _stage((2, 3), range(4, 8))),
+        schedule="1f1b",
+        microbatches=MICROBATCHES,
+        global_batch=BATCH,
+        iteration_s=0.0,
+    )
+    current = translate(even, cluster, [d.ref for d in base.all_devices()], refs)
+    proposed = replan(current, model, time_limit_s=5)
+    slow_refs = set(refs[:4])
+    assert sum(len(s.layers) for s in proposed.stages if set(s.devices) & slow_refs) < 2
+    assert step_s(price(proposed, model), model) < step_s(price(current, model), model)
+
+
+def test_replanner_rejects_meaningless_settings(scenario):
+    run = scenario.run
+    with pytest.raises(ValueError, match="threshold > 1"):
+        Replanner(run, threshold=1.0)
+    with pytest.raises(ValueError, match="clock"):
+        Replanner(run, clock="gpu")
