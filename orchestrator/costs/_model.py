@@ -22,7 +22,7 @@ Identical layers (same signature) share every entry: costs are cached by
 
 from __future__ import annotations
 
-import functools
+import copy
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,6 +147,25 @@ class CostModel:
         self.traffic = traffic_bytes(graph)
         opt_bytes = float(graph.meta.get("optimizer_state_bytes", 0))
         self.optimizer_ratio = opt_bytes / graph.param_bytes if graph.param_bytes else 0.0
+        # memo tables: what depends on the graph alone (shared by ``with_cluster`` copies), and
+        # op times, which also depend on the device types
+        self._graph_memo: dict = {}
+        self._time_memo: dict = {}
+
+    def with_cluster(self, cluster: Cluster) -> CostModel:
+        """This model on another cluster (devices lost or added, links changed), sharing every
+        graph-derived table, so re-planning does not redo them (on gpt-13b: seconds). Op times
+        are shared too while the device types are unchanged."""
+        other = copy.copy(self)
+        other.cluster = cluster
+        if cluster.device_types != self.cluster.device_types:
+            other._time_memo = {}
+        return other
+
+    def _memo(self, table: dict, key, compute):
+        if key not in table:
+            table[key] = compute()
+        return table[key]
 
     # -- helpers ------------------------------------------------------------
     def efficiency_of(self, device_type: str) -> Efficiency:
@@ -158,10 +177,13 @@ class CostModel:
                 return host.intra_link
         raise KeyError(f"no host of device type {device_type!r} in cluster {self.cluster.name!r}")
 
-    @functools.cache  # noqa: B019 - one model per planning run; one entry per TP degree
     def traits_for(self, tp: int) -> TensorParallelTraits:
         """Tensor-parallel tags under degree ``tp``: a dim tp does not divide stays replicated."""
-        return tensor_parallel_traits(self.graph, self.param_axes, self.tp_axes, tp)
+        return self._memo(
+            self._graph_memo,
+            ("traits", tp),
+            lambda: tensor_parallel_traits(self.graph, self.param_axes, self.tp_axes, tp),
+        )
 
     def _scale(self, name: str, tp: int, microbatch: int) -> float:
         traits = self.traits_for(tp)
@@ -173,11 +195,19 @@ class CostModel:
     def _representative(self, index: int) -> int:
         """The first layer with the same signature: identical layers share every cache entry."""
         signature = self.layers[index].signature
-        return next(layer.index for layer in self.layers if layer.signature == signature)
+        return self._memo(
+            self._graph_memo,
+            ("representative", index),
+            lambda: next(layer.index for layer in self.layers if layer.signature == signature),
+        )
 
-    @functools.cache  # noqa: B019 - one model per planning run; entries are per signature
     def _phase_times(self, index: int, device_type: str, tp: int) -> dict[tuple[str, bool, bool], float]:
         """Unscaled op times summed by (phase, split by TP, batch-dependent)."""
+        return self._memo(
+            self._time_memo, (index, device_type, tp), lambda: self._compute_phase_times(index, device_type, tp)
+        )
+
+    def _compute_phase_times(self, index: int, device_type: str, tp: int) -> dict[tuple[str, bool, bool], float]:
         device = self.cluster.device_types[device_type]
         eff = self.efficiency_of(device_type)
         split_ops = self.traits_for(tp).split_ops
@@ -233,17 +263,26 @@ class CostModel:
             if accumulate_gradients:
                 nbytes = float(self.graph.params[path].nbytes)
             else:
-                nbytes = synced_gradient_bytes(self.graph, self.layers[index].ops, path, self._constant_ops)
+                layer = self._representative(index)
+                nbytes = self._memo(
+                    self._graph_memo,
+                    ("synced", layer, path),
+                    lambda layer=layer, path=path: synced_gradient_bytes(
+                        self.graph, self.layers[layer].ops, path, self._constant_ops
+                    ),
+                )
             total += nbytes * self._local_fraction(path, tp)
         return total
 
-    @functools.cache  # noqa: B019 - one model per planning run
     def gradient_contributions(self, index: int) -> tuple[str, ...]:
         """Parameters whose gradient layer ``index`` produces: its own and every parameter its
         forward ops read. A tied parameter (GPT's token embedding, read again by the head)
         contributes once per reading layer, and XLA all-reduces each contribution separately
         under data parallelism (measured on gpt-tiny DP4, in JAX and torch_xla alike: 65,536
         bytes more than the parameter bytes, exactly the tied embedding)."""
+        return self._memo(self._graph_memo, ("contributions", index), lambda: self._contributions(index))
+
+    def _contributions(self, index: int) -> tuple[str, ...]:
         reads = set(self.layers[index].params)
         for name in self.layers[index].ops:
             op = self.graph.op(name)
@@ -254,9 +293,13 @@ class CostModel:
     def _memory(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
         return self._memory_of(self._representative(index), tp, microbatch)
 
-    @functools.cache  # noqa: B019
     def _memory_of(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
         """(activation bytes kept per microbatch, transient bytes) from liveness."""
+        return self._memo(
+            self._graph_memo, ("memory", index, tp, microbatch), lambda: self._compute_memory(index, tp, microbatch)
+        )
+
+    def _compute_memory(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
         ops = [n for n in self.layers[index].ops if self.graph.op(n).phase != "optimizer"]
         result = liveness(
             self.graph,
