@@ -14,6 +14,7 @@ from orchestrator.cli._executor import demo_command
 from orchestrator.cli._graph import graph_command
 from orchestrator.cli._plan import plan_command
 from orchestrator.cli._profile import profile_command
+from orchestrator.cli._run import resume_command, train_command
 from orchestrator.cli._simulate import report_command, simulate_command
 
 app = typer.Typer(
@@ -31,6 +32,8 @@ app.command("simulate")(simulate_command)
 app.command("report")(report_command)
 app.add_typer(bench_app, name="bench")
 app.command("demo")(demo_command)  # orchestrator.cli._executor imports jax only inside the command
+app.command("train")(train_command)
+app.command("resume")(resume_command)
 
 
 @app.callback()

@@ -1,0 +1,213 @@
+"""Recovery (issue 9): a SIGKILLed run resumes, lost devices are re-planned around, a run moves 8 → 4 devices.
+
+Every comparison is against a reference trained here without checkpoints, the run loop or the CLI:
+``shard`` + ``compile_step`` over the same batches (``batch_for_step``), switching plans by
+copying the state to the host and placing it under the next plan.
+"""
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from integrations.callbacks import Checkpointer
+from integrations.flax import capture, compile_step, shard
+from integrations.flax._parity import check_plan
+from integrations.flax._run import LoseDevices, RunConfig, batch_for_step, initial_state, train
+from orchestrator.cli import app
+from orchestrator.coarsen import coarsen
+from orchestrator.planner import Plan
+from recipes import get_recipe
+
+ROOT = Path(__file__).resolve().parents[3]
+BATCH, SEQ = 16, 16
+KILL_STEPS, KILL_EVERY, KILL_AFTER = 16, 2, 5  # kill once checkpoint ≥ 5 of steps 0..15 is on disk
+LOST = tuple(f"localhost/{i}" for i in range(4, 8))
+
+
+def _config(steps: int, every: int, plan) -> RunConfig:
+    shape = dict(recipe="gpt-tiny", global_batch=BATCH, seq_len=SEQ, time_limit_s=2)
+    return RunConfig(**shape, steps=steps, checkpoint_every=every, plan=plan)
+
+
+@functools.cache
+def _layers_and_axes():
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(BATCH, SEQ))
+    return coarsen(graph), recipe.param_axes()
+
+
+def _reference(config: RunConfig, plans: dict[int, Plan]):
+    """The state after ``config.steps`` steps, under ``plans[k]`` from step k on (host arrays)."""
+    layers, axes = _layers_and_axes()
+    state = jax.device_get(initial_state(config))
+    for step in range(config.steps):
+        if step in plans:
+            placed = shard(plans[step], jax.device_get(state), param_axes=axes, layers=layers)
+            step_fn = compile_step(
+                plans[step], get_recipe("gpt-tiny").train_step, placed, param_axes=axes, layers=layers
+            )
+        placed, _ = step_fn(placed, batch_for_step(config, step))
+        state = placed
+    return jax.device_get(state)
+
+
+def _checkpoint(run_dir: Path, step: int):
+    """Checkpoint ``step`` of a run, read into host arrays."""
+    checkpoints = Checkpointer(run_dir / "ckpt")
+    try:
+        return checkpoints.restore(jax.device_get(initial_state(RunConfig.load(run_dir))), step=step)
+    finally:
+        checkpoints.close()
+
+
+def _max_diff(a, b) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+def _env() -> dict:
+    # a clean environment: what earlier tests exported (XLA dump flags and the like) must not leak in
+    env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return env
+
+
+def _finished_checkpoints(ckpt: Path) -> list[int]:
+    # orbax writes into "<step>.orbax-checkpoint-tmp-*" and renames to "<step>" when complete
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """A run killed with SIGKILL mid-run, then resumed by ``orchestrator resume`` (in this process)."""
+    root = tmp_path_factory.mktemp("killed")
+    run_dir, plan_file = root / "run", root / "plan.json"
+    check_plan("DP4xTP2", global_batch=BATCH).save(plan_file)
+    args = ["--run-dir", str(run_dir), "--steps", str(KILL_STEPS), "--batch", str(BATCH), "--seq", str(SEQ)]
+    args += ["--checkpoint-every", str(KILL_EVERY), "--plan", str(plan_file)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "train", *args],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 180
+    while not any(step >= KILL_AFTER for step in _finished_checkpoints(run_dir / "ckpt")):
+        assert process.poll() is None, f"training ended before it was killed: {process.communicate()}"
+        assert time.monotonic() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate()
+    on_disk = _finished_checkpoints(run_dir / "ckpt")
+    partial = sorted(p.name for p in (run_dir / "ckpt").iterdir() if not p.name.isdigit())
+    started = time.perf_counter()
+    resumed = CliRunner().invoke(app, ["resume", str(run_dir)])
+    return {
+        "run_dir": run_dir,
+        "returncode": process.returncode,
+        "on_disk": on_disk,
+        "partial": partial,
+        "resumed": resumed,
+        "resume_s": time.perf_counter() - started,
+    }
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    config = _config(4, 2, None)
+    a, b = batch_for_step(config, 3), batch_for_step(config, 3)
+    np.testing.assert_array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
+    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(batch_for_step(config, 2)["inputs"]))
+    other = RunConfig.from_json({**config.to_json(), "seed": 1})
+    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(batch_for_step(other, 3)["inputs"]))
+
+
+def test_sigkilled_run_resumes_to_the_uninterrupted_parameters(killed_run):
+    resumed, on_disk = killed_run["resumed"], killed_run["on_disk"]
+    assert killed_run["returncode"] == -signal.SIGKILL
+    assert max(on_disk) < KILL_STEPS - 1, f"killed after the last step: {on_disk}"
+    assert resumed.exit_code == 0, resumed.output
+    restored_from = int(resumed.stdout.split("resumed from checkpoint ")[1].split()[0])
+    assert KILL_AFTER <= restored_from == max(on_disk)
+    config = RunConfig.load(killed_run["run_dir"])
+    final = _checkpoint(killed_run["run_dir"], KILL_STEPS - 1)
+    assert int(final.step) == KILL_STEPS
+    reference = _reference(config, {0: check_plan("DP4xTP2", global_batch=BATCH)})
+    diff = _max_diff(final.params, reference.params)
+    print(f"killed with checkpoints {on_disk}, partial {killed_run['partial']}")
+    print(f"resumed in {killed_run['resume_s']:.1f} s; max |Δparam| {diff:.2e}")
+    assert diff <= 1e-6
+    assert _max_diff(final.opt_state, reference.opt_state) <= 1e-6
+
+
+def test_resume_moves_a_run_from_8_to_4_devices(killed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run["run_dir"], run_dir)
+    before = (run_dir / "run.json").read_text()
+    result = CliRunner().invoke(app, ["resume", str(run_dir), "--steps", "3"])
+    assert result.exit_code == 2 and f"already at step {KILL_STEPS}" in result.stderr
+    assert (run_dir / "run.json").read_text() == before
+    args = ["resume", str(run_dir), "--devices", "4", "--steps", str(KILL_STEPS + 4), "--time-limit-s", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert f"resumed from checkpoint {KILL_STEPS - 1} at step {KILL_STEPS}" in result.output
+    config = RunConfig.load(run_dir)
+    assert set(config.unavailable) == set(LOST)
+    used = {ref for stage in config.plan.stages for ref in stage.devices}
+    assert used <= {f"localhost/{i}" for i in range(4)}
+    final = _checkpoint(run_dir, KILL_STEPS + 3)
+    assert int(final.step) == KILL_STEPS + 4
+    reference = _reference(config, {0: check_plan("DP4xTP2", global_batch=BATCH), KILL_STEPS: config.plan})
+    diff = _max_diff(final.params, reference.params)
+    print(f"8 → 4 devices onto {config.plan.stages}: max |Δparam| {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_losing_4_of_8_devices_replans_restores_and_continues(tmp_path):
+    plan = check_plan("DP4xTP2", global_batch=BATCH)  # compiled already for the tests above
+    _config(12, 3, plan).save(tmp_path)
+    # checkpoints after steps 2, 5, 8, 11; the devices go during step 7, so checkpoint 5 is restored
+    result = train(tmp_path, callbacks=[LoseDevices(LOST, at_step=7)])
+    [recovery] = result.recoveries
+    assert (recovery.failed_step, recovery.restored_step, recovery.lost) == (7, 5, LOST)
+    used = {ref for stage in result.plan.stages for ref in stage.devices}
+    assert used and used.isdisjoint(LOST)
+    survivors = set(jax.devices()[:4])
+    assert all(leaf.sharding.device_set <= survivors for leaf in jax.tree.leaves(result.state))
+    assert int(result.state.step) == 12
+    assert RunConfig.load(tmp_path).unavailable == LOST
+    # steps 6 and 7 ran on 8 devices, were lost, and ran again on 4: the reference switches at step 6
+    reference = _reference(_config(12, 3, plan), {0: plan, 6: result.plan})
+    diff = _max_diff(jax.device_get(result.state.params), reference.params)
+    print(f"replan {recovery.replan_s:.2f} s, restore {recovery.restore_s:.2f} s onto {result.plan.stages}")
+    print(f"lost 4 of 8 devices: max |Δparam| {diff:.2e}")
+    assert diff <= 1e-5
+    assert _max_diff(jax.device_get(result.state.opt_state), reference.opt_state) <= 1e-5
+
+
+def test_resume_and_train_errors_are_one_line(tmp_path):
+    runner = CliRunner()
+
+    def one_line_error(args, expected):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert expected in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in result.output
+
+    one_line_error(["resume", str(tmp_path / "nothing")], "holds no run")
+    one_line_error(["resume", str(tmp_path)], "holds no run")
+    (tmp_path / "run.json").write_text("{not json")
+    one_line_error(["resume", str(tmp_path)], "not a run configuration")
+    one_line_error(["train", "--run-dir", str(tmp_path)], "already holds a run")
