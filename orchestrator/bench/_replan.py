@@ -98,7 +98,6 @@ def small_cases() -> list[dict]:
 def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
     """gpt-13b × mixed-4type-64: plan, then lose one host of each device type the plan uses."""
     from orchestrator.bench._planner import captured_model
-    from orchestrator.costs import CostModel
 
     if progress:
         progress("capturing gpt-13b")
@@ -112,12 +111,7 @@ def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
         if progress:
             progress(f"re-planning without {host}")
 
-        def rebuild(cluster):
-            return CostModel(
-                model.graph, model.layers, cluster, batch_size=model.batch_size, param_axes=model.param_axes
-            )
-
-        after = _without_host(model, host, rebuild)
+        after = _without_host(model, host, model.with_cluster)
         started = time.perf_counter()
         try:
             warm = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False)

@@ -35,7 +35,7 @@ from collections import Counter
 
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._ilp import StageModel, simple_bound_s
+from orchestrator.planner._ilp import StageModel, in_flight, simple_bound_s
 from orchestrator.planner._migration import Migration
 from orchestrator.planner._plan import Plan, PlanNotFound
 from orchestrator.planner._search import DEFAULT_MICROBATCHES, make_plan, plan, search_space
@@ -74,10 +74,13 @@ def _group_of(stage) -> GroupConfig:
     return GroupConfig(device_type=stage.device_type, size=stage.tp * stage.dp, tp=stage.tp, recompute=stage.recompute)
 
 
-def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, limit: int = 4096):
-    """Every decision of ``previous`` fixed but the groups of its lost stages, which are
-    enumerated over the groups that fit the freed devices: the best feasible result, or None
-    (also when there are more than ``limit`` combinations)."""
+def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, limit: int = 4096):
+    """Every group of ``previous`` fixed but its lost stages', which are enumerated over the
+    groups that fit the freed devices; for each choice the previous split and the split that
+    balances the stages on those groups (``min_bottleneck_split``) are scored. Returns the best
+    feasible ``(stages, groups, M, evaluation)``, or None (also beyond ``limit`` choices)."""
+    from orchestrator.baselines._split import StageCosts, min_bottleneck_split
+
     M, S = previous.microbatches, len(previous.stages)
     lost = [s for s in range(S) if s not in kept]
     options = [
@@ -86,7 +89,7 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, limit: 
     ]
     if math.prod(len(o) for o in options) > limit:
         return None
-    layers = [list(stage.layers) for stage in previous.stages]
+    previous_split = [list(stage.layers) for stage in previous.stages]
     best = None
     for choice in itertools.product(*options):
         use = Counter()
@@ -97,11 +100,20 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, limit: 
         groups = [_group_of(stage) for stage in previous.stages]
         for s, g in zip(lost, choice):
             groups[s] = g
-        ev = evaluate(layers, groups, M, table=space.table, infos=space.infos, schedule=previous.schedule,
-                      links=space.links)  # fmt: skip
-        if ev.feasible and (best is None or ev.iteration_s < best[3].iteration_s):
-            best = (layers, groups, M, ev)
-    return best
+        costs = [StageCosts(space, g, M) for g in groups]
+
+        def time_s(s, i, k, costs=costs):
+            fits = costs[s].fits(i, k, in_flight(previous.schedule, M, S, s))
+            return costs[s].time_s(i, k) if fits else math.inf
+
+        for split in (previous_split, min_bottleneck_split(space.layers, S, time_s)):
+            if split is None:
+                continue
+            ev = evaluate(split, groups, M, table=space.table, infos=space.infos, schedule=previous.schedule,
+                          links=space.links)  # fmt: skip
+            if ev.feasible and (best is None or score(ev, split, groups) < best[0]):
+                best = (score(ev, split, groups), (split, groups, M, ev))
+    return None if best is None else best[1]
 
 
 def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, migration: Migration | None):
@@ -118,7 +130,13 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     free = Counter(d.device_type for d in alive)
     for s in kept:
         free[previous.stages[s].device_type] -= len(previous.stages[s].devices)
-    replaced = _replace_lost(previous, space, kept, free)
+    keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
+
+    def score(ev, split, groups) -> float:
+        moved = migration.step_cost_s(split, groups, space.table, keys) if migration else 0.0
+        return ev.iteration_s + moved
+
+    replaced = _replace_lost(previous, space, kept, free, score)
     if replaced is not None:
         return replaced
     kept_groups = {_group_of(previous.stages[s]) for s in kept}

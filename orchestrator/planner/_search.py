@@ -119,6 +119,15 @@ def _relaxation_bound(lp, *, time_limit_s: float) -> float:
     return relaxed.bound if relaxed.status == "Optimal" else -math.inf
 
 
+def _heuristic_stage_counts(cluster: Cluster, max_stages: int) -> list[int]:
+    """2^k and 3·2^k stages, and the counts that give every stage whole hosts of one type (the
+    hosts in service and their divisors: 7 hosts left of 8 give 7 one-host blocks, which no
+    power of two does)."""
+    hosts = len({d.host for d in cluster.devices()})
+    counts = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64} | {d for d in range(1, hosts + 1) if hosts % d == 0}
+    return sorted(s for s in counts if s <= max_stages)
+
+
 def _heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute, deadline=None):
     """The best of our balanced heuristic and every baseline (over stage counts of the form 2^k
     and 3·2^k, to bound the time): the ILP starts from it, so the plan returned is never worse
@@ -132,7 +141,7 @@ def _heuristic(model, space, global_batch, schedule, candidates, max_stages, rec
         "max_stages": max_stages,
         "recompute": recompute,
         "space": space,
-        "stage_counts": [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= max_stages],
+        "stage_counts": _heuristic_stage_counts(model.cluster, max_stages),
     }
     runs = (balanced, *BASELINES.values())
     now = time.perf_counter()
