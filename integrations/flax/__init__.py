@@ -5,6 +5,7 @@ from integrations.flax._nnx import from_nnx
 from integrations.flax._orchestrate import OrchestratedTrainState, orchestrate
 from integrations.flax._pipeline import Pipeline, cut_stages
 from integrations.flax._profile import profile_layers
+from integrations.flax._run import DevicesLost, LoseDevices, RunConfig, RunResult, train
 from integrations.flax._shard import shard, stage_mesh, state_shardings
 from integrations.flax._slice import SlicedStep
 from integrations.flax._step import compile_step
@@ -12,8 +13,12 @@ from integrations.flax._xla import XlaFlops, XlaProgram, hlo_collective_bytes, x
 
 __all__ = [
     "CaptureWarning",
+    "DevicesLost",
+    "LoseDevices",
     "OrchestratedTrainState",
     "Pipeline",
+    "RunConfig",
+    "RunResult",
     "SlicedStep",
     "XlaFlops",
     "XlaProgram",
@@ -30,6 +35,7 @@ __all__ = [
     "shard",
     "stage_mesh",
     "state_shardings",
+    "train",
     "xla_flops",
     "xla_program",
 ]

@@ -450,7 +450,7 @@ def _place(config: RunConfig, cluster, callbacks: list[Callback], checkpoints: C
 def _recover(run, error: DevicesLost, config: RunConfig, cluster, checkpoints: Checkpointer):
     """(the config re-planned on ``cluster`` without the lost devices, the :class:`Recovery` so far)."""
     started = time.perf_counter()
-    model = _cost_model(config, cluster, graph=run.graph, layers=run.layers, measured=run.cost_model.measured)
+    model = run.cost_model.with_cluster(cluster)  # graph-derived tables are reused, not recomputed
     plan = _replan(run.plan, model, config)
     replan_s = time.perf_counter() - started
     checkpoints.wait()
