@@ -13,7 +13,11 @@ Every case is a dict with ``name`` and ``ok``; re-plans also carry ``warm_s``, `
 * **gpt-13b × mixed-4type-64 minus one host** (one case per device type; not in ``--quick``): the
   fast repair (``widen=False``, ``certify=False``) against a cold solve of the same cluster
   with ``time_limit_s``; ok when the repair takes at most 0.3 s, its step time is within the
-  cold solve's reported gap of the cold step time, and asking again hits the cache (< 50 ms).
+  cold solve's reported gap of the cold step time, and asking again hits the cache (< 50 ms);
+* **runtime** (``_recovery``; not in ``--quick``, skipped with ``--no-runtime``) — a SIGKILLed
+  training run resumes to the uninterrupted parameters (1e-6), and a run that loses 4 of 8 devices
+  re-plans, restores and ends equal to a run that switched plans at the restored step (1e-5). The
+  Replanner's evidence is ``tests/integrations/flax_execute/test_replanner.py``.
 """
 
 from __future__ import annotations
@@ -146,8 +150,19 @@ def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
     return cases
 
 
-def run_suite(*, quick: bool = False, time_limit_s: float = 10.0, progress=None) -> list[dict]:
+def run_suite(*, quick: bool = False, time_limit_s: float = 10.0, runtime: bool = True, progress=None) -> list[dict]:
+    """The planner cases, and unless ``quick`` the large ones and (``runtime``) the executed
+    recovery cases of ``_recovery``, which need 8 jax devices."""
     cases = small_cases()
     if not quick:
         cases += large_cases(time_limit_s=time_limit_s, progress=progress)
+        if runtime:
+            from orchestrator.bench._recovery import device_loss_case, sigkill_case
+
+            if progress:
+                progress("training, SIGKILL, resume")
+            cases.append(sigkill_case())
+            if progress:
+                progress("training, losing 4 of 8 devices")
+            cases.append(device_loss_case())
     return cases

@@ -174,19 +174,27 @@ def replan_bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...]}.")] = False,
     time_limit_s: Annotated[float, typer.Option(min=0.1, help="Time limit of each cold solve.")] = 10.0,
     quick: Annotated[bool, typer.Option(help="Only the small synthetic cases (for tests).")] = False,
+    runtime: Annotated[
+        bool, typer.Option(help="Also train: SIGKILL then resume, lose 4 of 8 devices (8 jax devices, minutes).")
+    ] = True,
 ) -> None:
-    """Re-planning: cache hits, warm vs cold after losing a host, the migration term; exit 1 on a miss."""
+    """Re-planning: cache hits, warm vs cold after losing a host, the migration term, and recovery of real
+    training runs; exit 1 on a miss."""
     from orchestrator.bench._replan import run_suite
 
+    if runtime and not quick:
+        from orchestrator.cli._executor import _need_devices
+
+        _need_devices(8)  # before anything imports jax
     console = Console(stderr=True)
     with console.status("re-planning") as status:
-        cases = run_suite(quick=quick, time_limit_s=time_limit_s, progress=status.update)
+        cases = run_suite(quick=quick, time_limit_s=time_limit_s, runtime=runtime, progress=status.update)
     if as_json:
         json.dump({"cases": cases}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         table = Table(title="re-planning: warm vs cold (step times in s)")
-        columns = ("warm_s", "cold_s", "objective_warm", "objective_cold", "gap_cold")
+        columns = ("warm_s", "cold_s", "objective_warm", "objective_cold", "gap_cold", "max_abs_diff")
         for column in ("case", *columns, "ok"):
             table.add_column(column, justify="left" if column == "case" else "right")
 

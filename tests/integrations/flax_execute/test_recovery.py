@@ -5,7 +5,6 @@ Every comparison is against a reference trained here without checkpoints, the ru
 copying the state to the host and placing it under the next plan.
 """
 
-import functools
 import os
 import shutil
 import signal
@@ -19,14 +18,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from integrations.callbacks import Checkpointer
-from integrations.flax import capture, compile_step, shard
 from integrations.flax._parity import check_plan
-from integrations.flax._run import LoseDevices, RunConfig, batch_for_step, initial_state, train
+from integrations.flax._run import LoseDevices, RunConfig, batch_for_step, train
+from orchestrator.bench._recovery import clean_env, finished_checkpoints, max_diff, read_checkpoint, reference_state
 from orchestrator.cli import app
-from orchestrator.coarsen import coarsen
-from orchestrator.planner import Plan
-from recipes import get_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 BATCH, SEQ = 16, 16
@@ -37,55 +32,6 @@ LOST = tuple(f"localhost/{i}" for i in range(4, 8))
 def _config(steps: int, every: int, plan) -> RunConfig:
     shape = dict(recipe="gpt-tiny", global_batch=BATCH, seq_len=SEQ, time_limit_s=2)
     return RunConfig(**shape, steps=steps, checkpoint_every=every, plan=plan)
-
-
-@functools.cache
-def _layers_and_axes():
-    recipe = get_recipe("gpt-tiny")
-    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(BATCH, SEQ))
-    return coarsen(graph), recipe.param_axes()
-
-
-def _reference(config: RunConfig, plans: dict[int, Plan]):
-    """The state after ``config.steps`` steps, under ``plans[k]`` from step k on (host arrays)."""
-    layers, axes = _layers_and_axes()
-    state = jax.device_get(initial_state(config))
-    for step in range(config.steps):
-        if step in plans:
-            placed = shard(plans[step], jax.device_get(state), param_axes=axes, layers=layers)
-            step_fn = compile_step(
-                plans[step], get_recipe("gpt-tiny").train_step, placed, param_axes=axes, layers=layers
-            )
-        placed, _ = step_fn(placed, batch_for_step(config, step))
-        state = placed
-    return jax.device_get(state)
-
-
-def _checkpoint(run_dir: Path, step: int):
-    """Checkpoint ``step`` of a run, read into host arrays."""
-    checkpoints = Checkpointer(run_dir / "ckpt")
-    try:
-        return checkpoints.restore(jax.device_get(initial_state(RunConfig.load(run_dir))), step=step)
-    finally:
-        checkpoints.close()
-
-
-def _max_diff(a, b) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
-
-
-def _env() -> dict:
-    # a clean environment: what earlier tests exported (XLA dump flags and the like) must not leak in
-    env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return env
-
-
-def _finished_checkpoints(ckpt: Path) -> list[int]:
-    # orbax writes into "<step>.orbax-checkpoint-tmp-*" and renames to "<step>" when complete
-    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
 
 
 @pytest.fixture(scope="module")
@@ -99,18 +45,18 @@ def killed_run(tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "train", *args],
         cwd=ROOT,
-        env=_env(),
+        env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 180
-    while not any(step >= KILL_AFTER for step in _finished_checkpoints(run_dir / "ckpt")):
+    while not any(step >= KILL_AFTER for step in finished_checkpoints(run_dir / "ckpt")):
         assert process.poll() is None, f"training ended before it was killed: {process.communicate()}"
         assert time.monotonic() < deadline, "no checkpoint within 180 s"
         time.sleep(0.02)
     os.kill(process.pid, signal.SIGKILL)
     process.communicate()
-    on_disk = _finished_checkpoints(run_dir / "ckpt")
+    on_disk = finished_checkpoints(run_dir / "ckpt")
     partial = sorted(p.name for p in (run_dir / "ckpt").iterdir() if not p.name.isdigit())
     started = time.perf_counter()
     resumed = CliRunner().invoke(app, ["resume", str(run_dir)])
@@ -141,14 +87,14 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_parameters(killed_run):
     restored_from = int(resumed.stdout.split("resumed from checkpoint ")[1].split()[0])
     assert KILL_AFTER <= restored_from == max(on_disk)
     config = RunConfig.load(killed_run["run_dir"])
-    final = _checkpoint(killed_run["run_dir"], KILL_STEPS - 1)
+    final = read_checkpoint(killed_run["run_dir"], KILL_STEPS - 1)
     assert int(final.step) == KILL_STEPS
-    reference = _reference(config, {0: check_plan("DP4xTP2", global_batch=BATCH)})
-    diff = _max_diff(final.params, reference.params)
+    reference = reference_state(config, {0: check_plan("DP4xTP2", global_batch=BATCH)})
+    diff = max_diff(final.params, reference.params)
     print(f"killed with checkpoints {on_disk}, partial {killed_run['partial']}")
     print(f"resumed in {killed_run['resume_s']:.1f} s; max |Δparam| {diff:.2e}")
     assert diff <= 1e-6
-    assert _max_diff(final.opt_state, reference.opt_state) <= 1e-6
+    assert max_diff(final.opt_state, reference.opt_state) <= 1e-6
 
 
 def test_resume_moves_a_run_from_8_to_4_devices(killed_run, tmp_path):
@@ -166,10 +112,10 @@ def test_resume_moves_a_run_from_8_to_4_devices(killed_run, tmp_path):
     assert set(config.unavailable) == set(LOST)
     used = {ref for stage in config.plan.stages for ref in stage.devices}
     assert used <= {f"localhost/{i}" for i in range(4)}
-    final = _checkpoint(run_dir, KILL_STEPS + 3)
+    final = read_checkpoint(run_dir, KILL_STEPS + 3)
     assert int(final.step) == KILL_STEPS + 4
-    reference = _reference(config, {0: check_plan("DP4xTP2", global_batch=BATCH), KILL_STEPS: config.plan})
-    diff = _max_diff(final.params, reference.params)
+    reference = reference_state(config, {0: check_plan("DP4xTP2", global_batch=BATCH), KILL_STEPS: config.plan})
+    diff = max_diff(final.params, reference.params)
     print(f"8 → 4 devices onto {config.plan.stages}: max |Δparam| {diff:.2e}")
     assert diff <= 1e-5
 
@@ -188,12 +134,12 @@ def test_losing_4_of_8_devices_replans_restores_and_continues(tmp_path):
     assert int(result.state.step) == 12
     assert RunConfig.load(tmp_path).unavailable == LOST
     # steps 6 and 7 ran on 8 devices, were lost, and ran again on 4: the reference switches at step 6
-    reference = _reference(_config(12, 3, plan), {0: plan, 6: result.plan})
-    diff = _max_diff(jax.device_get(result.state.params), reference.params)
+    reference = reference_state(_config(12, 3, plan), {0: plan, 6: result.plan})
+    diff = max_diff(jax.device_get(result.state.params), reference.params)
     print(f"replan {recovery.replan_s:.2f} s, restore {recovery.restore_s:.2f} s onto {result.plan.stages}")
     print(f"lost 4 of 8 devices: max |Δparam| {diff:.2e}")
     assert diff <= 1e-5
-    assert _max_diff(jax.device_get(result.state.opt_state), reference.opt_state) <= 1e-5
+    assert max_diff(jax.device_get(result.state.opt_state), reference.opt_state) <= 1e-5
 
 
 def test_resume_and_train_errors_are_one_line(tmp_path):
