@@ -30,7 +30,8 @@ class CostTable:
         # identical layers (same signature and output size) share every entry
         first: dict = {}
         self._representative = [
-            first.setdefault((layer.signature, layer.activation_bytes), index) for index, layer in enumerate(model.layers)
+            first.setdefault((layer.signature, layer.activation_bytes), index)
+            for index, layer in enumerate(model.layers)
         ]
 
     def microbatch(self, group: GroupConfig, microbatches: int) -> int | None:
