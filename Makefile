@@ -22,8 +22,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# two workers, one per core of the CI machine; a test file stays on one worker so its
+# module fixtures (compiled steps, trained references) are built once
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV)
