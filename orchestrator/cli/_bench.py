@@ -46,6 +46,9 @@ def fidelity(
     ] = True,
 ) -> None:
     """Cost model vs XLA (collective bytes, peak memory) and vs profiled time; exit 1 if a tolerance is missed."""
+    from orchestrator.cli._executor import _need_devices
+
+    _need_devices(8)  # the shardings compared: DP8, DP4×TP2, DP2×TP4
     from orchestrator.bench import compute_cases, fidelity_cases
 
     console = Console(stderr=True)

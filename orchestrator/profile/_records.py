@@ -30,8 +30,12 @@ def cache_dir() -> Path:
     return root / "profiles"
 
 
+METHOD = 2
+"""Version of how layers are timed, part of the cache key: 2 = optimizer pieces update in place."""
+
+
 class TimingCache:
-    """Layer timings on disk, keyed by layer signature, device kind and jax version."""
+    """Layer timings on disk, keyed by layer signature, device kind, jax version and timing method."""
 
     def __init__(self, directory: Path | None = None, *, jax_version: str):
         self.directory = directory or cache_dir()
@@ -39,7 +43,7 @@ class TimingCache:
 
     def _path(self, signature: str, device_kind: str) -> Path:
         safe_kind = "".join(c if c.isalnum() else "_" for c in device_kind)
-        return self.directory / f"jax-{self.jax_version}" / safe_kind / f"{signature}.json"
+        return self.directory / f"jax-{self.jax_version}" / f"method-{METHOD}" / safe_kind / f"{signature}.json"
 
     def get(self, signature: str, device_kind: str) -> LayerTiming | None:
         path = self._path(signature, device_kind)

@@ -25,7 +25,7 @@ from orchestrator.costs import (
     reduce_scatter_s,
     sharded_dim,
 )
-from orchestrator.costs._liveness import materialized_ops
+from orchestrator.costs._liveness import materialized_ops, traffic_bytes
 from orchestrator.graph import Op, OpGraph, TensorSpec
 from recipes import get_recipe
 from recipes.gpt import Block, GPTConfig
@@ -82,6 +82,21 @@ def test_executor_places_parameters_by_the_rule_the_costs_price():
             spec = tuple(param_spec(shapes[path], axes, tp)) + (None,) * len(shapes[path])
             dim = sharded_dim(shapes[path], axes, tp, frozenset({"heads", "mlp", "vocab"}))
             assert [i for i, entry in enumerate(spec) if entry == MODEL] == ([] if dim is None else [dim]), path
+
+
+def test_gathers_and_scatters_move_the_rows_they_touch_not_the_table():
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(2, 32))
+    traffic = traffic_bytes(graph)
+    table = graph.params["wte/embedding"].nbytes
+    lookups = [op for op in graph.ops() if op.primitive == "gather" and op.inputs[0].nbytes == table]
+    updates = [op for op in graph.ops() if op.primitive == "scatter-add" and op.outputs[0].nbytes == table]
+    assert lookups and updates
+    for op in lookups:  # rows read + rows written + indices
+        assert traffic[op.name] == 2 * op.outputs[0].nbytes + op.inputs[1].nbytes
+    for op in updates:  # indices + the update rows, read once and added into the table in place
+        rows = op.inputs[2].nbytes
+        assert traffic[op.name] <= op.inputs[1].nbytes + 2 * rows < table
 
 
 def test_parallel_config_is_validated():

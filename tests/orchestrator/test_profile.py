@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from integrations.flax import SlicedStep, capture, profile_layers
-from integrations.flax._slice import example_inputs
+from integrations.flax._slice import example_inputs, time_piece
 from orchestrator.cli import app
 from orchestrator.cluster import DeviceType
 from orchestrator.coarsen import coarsen
@@ -36,6 +36,20 @@ def test_sliced_pieces_reproduce_the_layer(tiny):
     # the block's forward piece reads the block's parameters and the residual stream
     assert any(a.shape == (2, 32, 64) for a in avals)
     assert all(np.isfinite(np.asarray(o)).all() for o in outputs if hasattr(o, "dtype"))
+
+
+def test_optimizer_piece_updates_the_donated_state_in_place(tiny):
+    recipe, state, batch, graph, layers = tiny
+    sliced = SlicedStep(recipe.train_step, state, batch, graph=graph)
+    block = layers[1]
+    closed, avals = sliced.piece(sliced.layer_phase_ops(block.ops, ("optimizer",)))
+    donated = sliced.donated_state(closed)
+    leaves = sum(1 for p in graph.params if p.startswith("blocks_0/"))
+    # params, AdamW's first and second moments: never the gradients, which the step computes
+    assert len(donated) == 3 * leaves
+    step_inputs = set(sliced.invars)
+    assert all(closed.jaxpr.invars[i] in step_inputs for i in donated)
+    assert time_piece(closed, avals, repeats=2, donate=donated) > 0
 
 
 def test_profile_caches_by_signature(tiny, tmp_path):
