@@ -9,7 +9,10 @@ gap are read from ``Highs.getInfo()``.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -50,6 +53,10 @@ class HighsWithStart(pulp.HiGHS):
         self.bulk_load = bulk_load
         self.info = None
         self.model_status = ""
+
+    def createAndConfigureSolver(self, lp):
+        with _banner_to_stderr():
+            super().createAndConfigureSolver(lp)
 
     def buildSolverModel(self, lp):
         """PuLP's model into HiGHS: row by row (PuLP's own), or with ``bulk_load`` in one call per kind.
@@ -118,6 +125,32 @@ class HighsWithStart(pulp.HiGHS):
         self.model_status = lp.solverModel.modelStatusToString(lp.solverModel.getModelStatus())
         if self.model_status == "Interrupted by user":  # only our deadline interrupts
             self.model_status = "Time limit reached"
+
+
+_banner_shown = False
+
+
+@contextlib.contextmanager
+def _banner_to_stderr():
+    """Send what C++ writes to stdout while the first ``Highs()`` of the process is built to stderr.
+
+    highspy 1.16 prints its copyright banner on file descriptor 1 when the first
+    ``Highs`` object is constructed, before PuLP can set ``output_flag``; on
+    stdout it would corrupt ``orchestrator ... --json``.
+    """
+    global _banner_shown
+    if _banner_shown:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        _banner_shown = True
 
 
 def _interrupt_at(highs, deadline_s: float) -> None:

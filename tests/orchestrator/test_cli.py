@@ -43,3 +43,16 @@ def test_too_long_sequence_is_a_clear_error():
     result = runner.invoke(app, ["graph", "--recipe", "gpt-tiny", "--seq-len", "100"])
     assert result.exit_code == 2
     assert "max_seq_len 64" in result.stderr
+
+
+def test_json_on_stdout_is_pure_json_in_a_real_process():
+    """The solver's C++ banner (highspy 1.16 prints one per process) must not reach stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "orchestrator"
+    args = ["plan", "--recipe", "gpt-tiny", "--cluster", "a100x8", "--batch", "16", "--json"]
+    done = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["global_batch"] == 16
