@@ -56,7 +56,7 @@ def profile_layers(
                 seconds[phase] = 0.0
                 continue
             closed, avals = sliced.piece(ops)
-            donate = sliced.donated_state(closed) if phase == "optimizer" else ()
+            donate = sliced.reusable_inputs(ops, closed)
             seconds[phase] = time_piece(closed, avals, repeats=repeats, donate=donate)
         timing = LayerTiming(
             signature=signature,

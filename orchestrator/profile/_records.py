@@ -30,8 +30,8 @@ def cache_dir() -> Path:
     return root / "profiles"
 
 
-METHOD = 2
-"""Version of how layers are timed, part of the cache key: 2 = optimizer pieces update in place."""
+METHOD = 3
+"""Version of how layers are timed, part of the cache key: 3 = pieces write over inputs dead after them."""
 
 
 class TimingCache:

@@ -42,14 +42,34 @@ def test_optimizer_piece_updates_the_donated_state_in_place(tiny):
     recipe, state, batch, graph, layers = tiny
     sliced = SlicedStep(recipe.train_step, state, batch, graph=graph)
     block = layers[1]
-    closed, avals = sliced.piece(sliced.layer_phase_ops(block.ops, ("optimizer",)))
-    donated = sliced.donated_state(closed)
+    ops = sliced.layer_phase_ops(block.ops, ("optimizer",))
+    closed, avals = sliced.piece(ops)
+    donated = sliced.reusable_inputs(ops, closed)
     leaves = sum(1 for p in graph.params if p.startswith("blocks_0/"))
     # params, AdamW's first and second moments: never the gradients, which the step computes
     assert len(donated) == 3 * leaves
     step_inputs = set(sliced.invars)
     assert all(closed.jaxpr.invars[i] in step_inputs for i in donated)
     assert time_piece(closed, avals, repeats=2, donate=donated) > 0
+
+
+def test_tied_embedding_gradient_is_added_in_place(tiny):
+    """The embedding's backward piece may write over the head's gradient of the tied table, as the step does."""
+    recipe, state, batch, graph, layers = tiny
+    sliced = SlicedStep(recipe.train_step, state, batch, graph=graph)
+    embedding = layers[0]
+    ops = sliced.layer_phase_ops(embedding.ops, ("backward",))
+    closed, avals = sliced.piece(ops)
+    reused = sliced.reusable_inputs(ops, closed)
+    table = (recipe.config.vocab_size, recipe.config.d_model)
+    step_inputs = set(sliced.invars)
+    intermediates = [i for i in reused if closed.jaxpr.invars[i] not in step_inputs]
+    assert [tuple(avals[i].shape) for i in intermediates] == [table]
+    # a value read again after the piece (the parameters, read by the optimizer) is never reused
+    after = sliced.flat[max(sliced._chosen(ops)) + 1 :]
+    readers_after = {a for item in after for a in item.eqn.invars if not isinstance(a, jax.extend.core.Literal)}
+    assert not any(closed.jaxpr.invars[i] in readers_after for i in reused)
+    assert time_piece(closed, avals, repeats=2, donate=reused) > 0
 
 
 def test_profile_caches_by_signature(tiny, tmp_path):
