@@ -27,7 +27,7 @@ def profile_command(
     from integrations.flax import capture, profile_layers
     from orchestrator.cluster import load_cluster
     from orchestrator.coarsen import coarsen
-    from orchestrator.costs import CostModel
+    from orchestrator.costs import EFFICIENCY_CLASSES, CostModel
     from orchestrator.profile import calibrate
     from recipes import RECIPES
 
@@ -73,9 +73,7 @@ def profile_command(
             "device_kind": jax.devices()[0].device_kind,
             "jax_version": jax.__version__,
             "layers": rows,
-            "efficiency": {
-                k: float(getattr(efficiency, k)) for k in ("matmul", "other", "transcendental", "memory", "movement")
-            },
+            "efficiency": {k: float(getattr(efficiency, k)) for k in EFFICIENCY_CLASSES},
         }
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")

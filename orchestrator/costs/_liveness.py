@@ -28,12 +28,19 @@ rest (−16 MiB of a gpt2-small block's 327 MiB at DP2×TP4). Each op's bytes ar
 scaled by ``scale(op_name)`` (1/t for tensor-parallel shards, the microbatch
 fraction for batch-dependent values).
 
-Known gap: XLA:CPU also gives a buffer to the (batch, seq, d) broadcasts of a
-LayerNorm's per-token ``rsqrt`` and per-feature scale that its backward
-reductions read, four per transformer block, and recomputes ``x − mean``,
-which the model keeps. On a gpt2-small block that leaves the prediction 11.5%
-under ``memory_analysis()`` at DP2×TP4, where these replicated (b, s, d)
-buffers are the largest share (−1.6% at DP8, −0.2% at DP4×TP2).
+Known gap (read from XLA's own buffer assignment, ``--xla_dump_to``, jax 0.10.2
+XLA:CPU): XLA keeps the (batch, seq, d) broadcasts of each LayerNorm's
+``rsqrt`` and scale (four per block), which the model does not, and
+recomputes ``x − mean`` and ``rsqrt·scale``, which the model keeps: modelled
+exactly, the two cancel (+4, −4 buffers). What is left at gpt2-small DP2×TP4
+(−11.5% against ``memory_analysis()``; DP8 −1.6%, DP4×TP2 −0.2%; the test
+block of d = 64: +6.2%, +1.9%, −5.4%) is XLA keeping ``rsqrt·scale`` after all
+when a device holds at least 4,096 tokens (it then fuses the input gradient
+into a YNNPACK reduction; measured on isolated LayerNorms of ten shapes), three
+copies of the loss gradient and the block output live at its peak, and the
+first LayerNorm's output stored inside the input gradient's output buffer. The
+first is a shape threshold inside XLA's CPU backend; no rule here is keyed on
+sizes, so the gap stays.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from orchestrator.cluster import DeviceType
-from orchestrator.costs import Efficiency, op_time_s
+from orchestrator.costs import EFFICIENCY_CLASSES, Efficiency, op_time_s
 from orchestrator.costs._roofline import op_terms
 from orchestrator.graph import Op
 
-_NAMES = ("matmul", "other", "transcendental", "memory", "movement")
+_NAMES = EFFICIENCY_CLASSES
 
 
 def features(ops: Sequence[Op], device: DeviceType, traffic: Mapping[str, float] | None = None) -> np.ndarray:

@@ -100,7 +100,7 @@ def test_damaged_cache_entry_is_measured_again(tmp_path):
 
 def test_calibration_recovers_known_efficiencies():
     device = DeviceType(name="d", peak_flops={"float32": 1e12}, memory_bytes=1, memory_bandwidth_bytes_per_s=1e11)
-    truth = Efficiency(matmul=0.5, other=0.2, transcendental=0.05, memory=0.8, movement=0.3)
+    truth = Efficiency(matmul=0.5, other=0.2, transcendental=0.05, memory=0.8, movement=0.3, matmul_output=0.01)
     rng = np.random.default_rng(0)
     pieces = []
     for i in range(12):
@@ -112,6 +112,7 @@ def test_calibration_recovers_known_efficiencies():
                 primitive="dot_general",
                 flops=float(rng.uniform(1e9, 1e11)),
                 inputs=(spec,),
+                outputs=(TensorSpec(shape=(int(rng.integers(10**5, 10**7)),), dtype="float32"),),
             ),
             Op(
                 name=f"e{i}",
@@ -125,7 +126,7 @@ def test_calibration_recovers_known_efficiencies():
         ]
         pieces.append((ops, predict(ops, device, truth)))
     fitted = calibrate(pieces, device)
-    for name in ("matmul", "other", "transcendental", "memory", "movement"):
+    for name in ("matmul", "other", "transcendental", "memory", "movement", "matmul_output"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3)
 
 
@@ -144,5 +145,5 @@ def test_profile_cli_json(tmp_path, monkeypatch):
         "Mamba/norm_f+embedding.attend",
     ]
     assert payload["layers"][1]["count"] == 2
-    assert set(payload["efficiency"]) == {"matmul", "other", "transcendental", "memory", "movement"}
+    assert set(payload["efficiency"]) == {"matmul", "other", "transcendental", "memory", "movement", "matmul_output"}
     assert any((tmp_path / "profiles").rglob("*.json"))
