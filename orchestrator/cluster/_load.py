@@ -95,6 +95,7 @@ def cluster_from_spec(spec: ClusterSpec, source: str = "cluster") -> Cluster:
                 peak_flops={dtype: tflops * 1e12 for dtype, tflops in dt.peak_tflops.items()},
                 memory_bytes=dt.memory_bytes,
                 memory_bandwidth_bytes_per_s=dt.memory_bandwidth_gbps * 1e9,
+                cache_bytes=dt.cache_bytes,
             )
             for name, dt in spec.device_types.items()
         },

@@ -36,6 +36,24 @@ def measure_local_device(size: int = 1024) -> tuple[float, float]:
     return flops, bandwidth
 
 
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's last-level cache from Linux sysfs (e.g. ``32768K``), or None where it is not listed."""
+    from pathlib import Path
+
+    levels = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        number, unit = (size[:-1], units[size[-1]]) if size[-1:] in units else (size, 1)
+        if number.isdigit():
+            levels.append((level, int(number) * unit))
+    return max(levels)[1] if levels else None
+
+
 def local_cluster() -> Cluster:
     devices = jax.devices()
     kind = devices[0].device_kind or devices[0].platform
@@ -50,11 +68,13 @@ def local_cluster() -> Cluster:
     cores = os.cpu_count() or 1
     share = min(1.0, cores / len(devices)) if cpu else 1.0  # virtual CPU devices split the cores
     per_device_memory = memory // len(devices) if cpu else memory
+    cache = last_level_cache_bytes() if cpu else None
     dtype = DeviceType(
         name=kind,
         peak_flops={"float32": flops * share},
         memory_bytes=int(per_device_memory),
         memory_bandwidth_bytes_per_s=bandwidth * share,
+        cache_bytes=cache,
     )
     # Devices of one process exchange data through host memory.
     link = Link(bandwidth_bytes_per_s=bandwidth / 2, latency_s=5e-6)

@@ -34,6 +34,7 @@ class DeviceType:
     peak_flops: dict[str, float]  # FLOP/s by dtype
     memory_bytes: int
     memory_bandwidth_bytes_per_s: float
+    cache_bytes: int | None = None  # last-level cache; None: every byte priced at memory bandwidth
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; ``KeyError`` naming the dtypes listed if there is none."""

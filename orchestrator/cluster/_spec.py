@@ -37,6 +37,9 @@ class DeviceTypeSpec(_Strict):
     peak_tflops: dict[str, float] = Field(min_length=1, description="TFLOP/s by dtype, e.g. {float32: 19.5}")
     memory_bytes: int = Field(gt=0)
     memory_bandwidth_gbps: float = Field(gt=0, description="GB/s")
+    cache_bytes: int | None = Field(
+        default=None, gt=0, description="last-level cache; data larger than it streams from memory (optional)"
+    )
 
     @field_validator("peak_tflops")
     @classmethod

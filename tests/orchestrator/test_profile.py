@@ -10,7 +10,7 @@ from integrations.flax._slice import example_inputs, time_piece
 from orchestrator.cli import app
 from orchestrator.cluster import DeviceType
 from orchestrator.coarsen import coarsen
-from orchestrator.costs import Efficiency
+from orchestrator.costs import EFFICIENCY_CLASSES, Efficiency
 from orchestrator.graph import Op, TensorSpec
 from orchestrator.profile import LayerTiming, TimingCache, calibrate, predict
 from recipes import get_recipe
@@ -99,8 +99,12 @@ def test_damaged_cache_entry_is_measured_again(tmp_path):
 
 
 def test_calibration_recovers_known_efficiencies():
-    device = DeviceType(name="d", peak_flops={"float32": 1e12}, memory_bytes=1, memory_bandwidth_bytes_per_s=1e11)
-    truth = Efficiency(matmul=0.5, other=0.2, transcendental=0.05, memory=0.8, movement=0.3, matmul_output=0.01)
+    device = DeviceType(
+        name="d", peak_flops={"float32": 1e12}, memory_bytes=1, memory_bandwidth_bytes_per_s=1e11, cache_bytes=2**20
+    )
+    truth = Efficiency(
+        matmul=0.5, other=0.2, transcendental=0.05, memory=0.8, memory_streamed=0.4, movement=0.3, matmul_output=0.01
+    )
     rng = np.random.default_rng(0)
     pieces = []
     for i in range(12):
@@ -121,12 +125,14 @@ def test_calibration_recovers_known_efficiencies():
                 flops=float(rng.uniform(1e7, 1e9)),
                 transcendentals=float(rng.uniform(1e6, 1e8)),
                 bytes_read=int(rng.uniform(1e6, 1e9)),
+                # 40 kB to 4 MB: below and above the 1 MiB cache
+                outputs=(TensorSpec(shape=(int(rng.integers(10**4, 10**6)),), dtype="float32"),),
             ),
             Op(name=f"g{i}", kind="data_movement", primitive="gather", bytes_read=int(rng.uniform(1e6, 1e9))),
         ]
         pieces.append((ops, predict(ops, device, truth)))
     fitted = calibrate(pieces, device)
-    for name in ("matmul", "other", "transcendental", "memory", "movement", "matmul_output"):
+    for name in EFFICIENCY_CLASSES:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3)
 
 
@@ -145,5 +151,5 @@ def test_profile_cli_json(tmp_path, monkeypatch):
         "Mamba/norm_f+embedding.attend",
     ]
     assert payload["layers"][1]["count"] == 2
-    assert set(payload["efficiency"]) == {"matmul", "other", "transcendental", "memory", "movement", "matmul_output"}
+    assert set(payload["efficiency"]) == set(EFFICIENCY_CLASSES)
     assert any((tmp_path / "profiles").rglob("*.json"))
