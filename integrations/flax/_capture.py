@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 from integrations.flax import _primitives
@@ -104,6 +105,8 @@ class _Walker:
         self.unknown: Counter[str] = Counter()
         self.while_loops = 0
         self.seen_backward = False
+        self.zeros: set[str] = set()  # ops that broadcast a literal 0
+        self.sparse: set[str] = set()  # scatter-adds into zeros
 
     def phase(self, under_transpose: bool, under_jvp: bool) -> Phase:
         if under_transpose:
@@ -160,9 +163,17 @@ class _Walker:
                 return self.walk(subjaxprs[0], sources, stack=stack, repeats=repeats)
             rule = self.unknown_primitive(name, eqn)
         kind, flops, transcendentals = rule
-        return self.emit(
+        producers = [s.producer for s in sources]
+        if name in ("add", "add_any") and any(p in self.sparse for p in producers):
+            flops = 0.0  # XLA scatters the sparse updates into the other operand (see _primitives)
+        outs = self.emit(
             eqn, sources, kind=kind, flops=flops, transcendentals=transcendentals, stack=stack, repeats=repeats
         )
+        if name == "broadcast_in_dim" and _is_zero_literal(eqn.invars[0]):
+            self.zeros.add(outs[0].producer)
+        elif name in ("scatter-add", "scatter_add") and producers[0] in self.zeros:
+            self.sparse.add(outs[0].producer)
+        return outs
 
     def unknown_primitive(self, name: str, eqn) -> tuple:
         rule = _primitives.conservative_cost([v.aval for v in eqn.invars], [v.aval for v in eqn.outvars])
@@ -240,6 +251,13 @@ class _Walker:
             if src.producer is not None:
                 self.graph.add_edge(src.producer, op_name, nbytes=spec.nbytes)
         return [_Source(producer=op_name) for _ in eqn.outvars]
+
+
+def _is_zero_literal(atom) -> bool:
+    if not isinstance(atom, jcore.Literal):
+        return False
+    value = np.asarray(atom.val)
+    return value.ndim == 0 and value == 0
 
 
 def _jaxpr_flops(jaxpr) -> float:

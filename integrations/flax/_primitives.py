@@ -14,7 +14,14 @@ be checked against ``compiled.cost_analysis()["flops"]``:
   multiplies per element (one more, a divide, for y < 0)
 * reductions: |in| − |out|   (one add/max/... per element folded in)
 * data movement (reshape, transpose, broadcast, slice, gather, pad, ...): 0,
-  except scatter-add, which XLA counts at one FLOP per update element.
+  except scatter-add, which XLA counts at one FLOP per update element, and a
+  gather in ``FILL_OR_DROP`` mode (``jnp.take``'s default, which
+  ``flax.linen.Embed`` uses), which XLA lowers to the gather, a bounds check per index
+  (two compares and an and: 3 FLOPs) and a select per gathered element;
+* an add of a scatter-add into zeros (a sparse gradient, e.g. an embedding
+  lookup's) to a dense value: 0 — XLA scatters the updates into the dense
+  value instead, and the scatter-add already counts them (capture applies
+  this rule, as it needs to know where the operands came from).
 
 Where XLA's count differs, it is because XLA changes the program: it drops
 dead code (capture drops it too), and it duplicates a cheap elementwise op
@@ -108,6 +115,9 @@ def cost(primitive: str, params: dict, in_avals: Sequence, out_avals: Sequence) 
         return "scan", float(_size(in_avals[0])), 0.0
     if primitive in SCATTER_COMBINE:
         return "data_movement", float(_size(in_avals[2])), 0.0
+    if primitive == "gather" and "FILL_OR_DROP" in str(params.get("mode", "")):
+        index_vectors = math.prod(in_avals[1].shape[:-1])
+        return "data_movement", float(out_size + 3 * index_vectors), 0.0
     if primitive in DATA_MOVEMENT:
         return "data_movement", 0.0, 0.0
     if primitive in COLLECTIVE:
