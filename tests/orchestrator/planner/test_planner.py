@@ -117,3 +117,28 @@ def test_plan_cli_json_and_explain(tmp_path):
     assert "predicted step" in text and "a100" in text
     bad = CliRunner().invoke(app, ["plan", "--recipe", "gpt-tiny", "--cluster", "nope"])
     assert bad.exit_code == 2 and "unknown cluster preset 'nope'" in bad.stderr
+
+
+def test_balanced_heuristic_may_use_the_whole_heuristic_window(tiny, monkeypatch):
+    """GPT-175B on 512 devices: the balanced heuristic needs 1.8 s of a 3.3 s window; an equal
+    sixth of it stopped it before any plan, and the planner had nothing to return."""
+    import time
+
+    import orchestrator.baselines as baselines
+    from orchestrator.planner._search import _heuristic, search_space
+
+    recipe, graph, layers = tiny
+    model = CostModel(graph, layers, _cluster({"fast": (10.0, 2**34)}), batch_size=8)
+    real = baselines.balanced
+    window = 1.0
+
+    def slow_balanced(model, *, deadline=None, **settings):
+        if deadline is None or deadline - time.perf_counter() < 0.6 * window:
+            return None  # as the real one does when its deadline comes before it finishes
+        return real(model, **settings)
+
+    monkeypatch.setattr(baselines, "balanced", slow_balanced)
+    monkeypatch.setattr(baselines, "BASELINES", {f"b{i}": lambda model, **settings: None for i in range(5)})
+    space = search_space(model, 8, recompute=True)
+    found = _heuristic(model, space, 8, "1f1b", [4, 2, 1], 4, True, deadline=time.perf_counter() + window)
+    assert found is not None and found.iteration_s > 0
