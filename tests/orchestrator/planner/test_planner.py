@@ -127,7 +127,7 @@ def test_balanced_heuristic_may_use_the_whole_heuristic_window(tiny, monkeypatch
     import orchestrator.baselines as baselines
     from orchestrator.planner._search import _heuristic, search_space
 
-    recipe, graph, layers = tiny
+    _, graph, layers = tiny
     model = CostModel(graph, layers, _cluster({"fast": (10.0, 2**34)}), batch_size=8)
     real = baselines.balanced
     window = 1.0
