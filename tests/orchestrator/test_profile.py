@@ -38,13 +38,18 @@ def test_sliced_pieces_reproduce_the_layer(tiny):
     assert all(np.isfinite(np.asarray(o)).all() for o in outputs if hasattr(o, "dtype"))
 
 
-def test_optimizer_piece_updates_the_donated_state_in_place(tiny):
+def _piece_and_reused(tiny, layer_index: int, phase: str):
+    """(sliced step, piece ops, closed piece, its avals, inputs it may write over)."""
     recipe, state, batch, graph, layers = tiny
     sliced = SlicedStep(recipe.train_step, state, batch, graph=graph)
-    block = layers[1]
-    ops = sliced.layer_phase_ops(block.ops, ("optimizer",))
+    ops = sliced.layer_phase_ops(layers[layer_index].ops, (phase,))
     closed, avals = sliced.piece(ops)
-    donated = sliced.reusable_inputs(ops, closed)
+    return sliced, ops, closed, avals, sliced.reusable_inputs(ops, closed)
+
+
+def test_optimizer_piece_updates_the_donated_state_in_place(tiny):
+    graph = tiny[3]
+    sliced, _, closed, avals, donated = _piece_and_reused(tiny, 1, "optimizer")
     leaves = sum(1 for p in graph.params if p.startswith("blocks_0/"))
     # params, AdamW's first and second moments: never the gradients, which the step computes
     assert len(donated) == 3 * leaves
@@ -55,12 +60,8 @@ def test_optimizer_piece_updates_the_donated_state_in_place(tiny):
 
 def test_tied_embedding_gradient_is_added_in_place(tiny):
     """The embedding's backward piece may write over the head's gradient of the tied table, as the step does."""
-    recipe, state, batch, graph, layers = tiny
-    sliced = SlicedStep(recipe.train_step, state, batch, graph=graph)
-    embedding = layers[0]
-    ops = sliced.layer_phase_ops(embedding.ops, ("backward",))
-    closed, avals = sliced.piece(ops)
-    reused = sliced.reusable_inputs(ops, closed)
+    recipe = tiny[0]
+    sliced, ops, closed, avals, reused = _piece_and_reused(tiny, 0, "backward")
     table = (recipe.config.vocab_size, recipe.config.d_model)
     step_inputs = set(sliced.invars)
     intermediates = [i for i in reused if closed.jaxpr.invars[i] not in step_inputs]
