@@ -219,6 +219,7 @@ def _build(graph: OpGraph, traced: torch.fx.GraphModule, paths: list[str], marks
     claimed: set[str] = set()
     counter: Counter[str] = Counter()
     unknown: Counter[str] = Counter()
+    sparse: set[str] = set()  # accumulating index_puts into zeros: a lookup's gradient
     mark_index, scope, phase = 0, "", "forward"
     for index, node in enumerate(traced.graph.nodes):
         while mark_index < len(marks) and marks[mark_index][0] <= index:
@@ -248,6 +249,8 @@ def _build(graph: OpGraph, traced: torch.fx.GraphModule, paths: list[str], marks
             unknown[name] += 1
             rule = _aten.conservative_cost([s.shape for s in in_specs], [s.shape for s in out_specs])
         kind, flops, transcendentals = rule
+        if name == "aten.add" and any(producer.get(a) in sparse for a in inputs):
+            flops = 0.0  # XLA scatters the sparse updates into the other operand (as in the Flax capture)
         primitive = "dot_general" if kind == "matmul" else name
         op_name = f"{name.removeprefix('aten.')}_{counter[name]}"
         counter[name] += 1
@@ -276,10 +279,25 @@ def _build(graph: OpGraph, traced: torch.fx.GraphModule, paths: list[str], marks
             if producer.get(a) is not None:
                 graph.add_edge(producer[a], op_name, nbytes=spec.nbytes)
         producer[node] = op_name
+        if name == "aten.index_put" and _accumulates_into_zeros(node):
+            sparse.add(op_name)
     graph.meta["unknown_primitives"] = dict(unknown)
     [output] = [n for n in traced.graph.nodes if n.op == "output"]
     grad_nodes = output.args[0][1:]  # (loss, *grads), flattened by make_fx
     return {path: producer.get(g) if isinstance(g, torch.fx.Node) else None for path, g in zip(paths, grad_nodes)}
+
+
+def _accumulates_into_zeros(node: torch.fx.Node) -> bool:
+    """``index_put(full(shape, 0), indices, values, accumulate=True)``: how an embedding's gradient is built."""
+    base = node.args[0]
+    accumulate = len(node.args) > 3 and bool(node.args[3])
+    is_zeros = (
+        isinstance(base, torch.fx.Node)
+        and str(getattr(base.target, "overloadpacket", base.target)) == "aten.full"
+        and len(base.args) > 1
+        and base.args[1] == 0
+    )
+    return accumulate and is_zeros
 
 
 def _add_optimizer(graph: OpGraph, optimizer: str, grads: dict[str, str | None]) -> None:

@@ -73,8 +73,16 @@ def test_coarsening_finds_the_flax_layers(graphs):
     assert [layer.param_bytes for layer in layers] == [layer.param_bytes for layer in flax_layers]
     assert [sorted(layer.params) for layer in layers] == [sorted(layer.params) for layer in flax_layers]
     for ours, theirs in zip(layers, flax_layers):
+        # Flax's Embed looks up with jnp.take: negative indices wrap (integer lt/add/select per index)
+        # and the gather is fill-mode (a bounds check per index, a select per element); torch's
+        # embedding lookup runs neither
+        lookup = sum(
+            fg.op(n).flops
+            for n in theirs.ops
+            if fg.op(n).primitive == "gather" or fg.op(n).outputs[0].dtype.startswith(("int", "bool"))
+        )
         assert ours.forward_flops + ours.backward_flops == pytest.approx(
-            theirs.forward_flops + theirs.backward_flops, rel=0.02
+            theirs.forward_flops + theirs.backward_flops - lookup, rel=0.02
         )
     assert list(layers.repeated().values()) == [[1, 2]] == list(flax_layers.repeated().values())
 
