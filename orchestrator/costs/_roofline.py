@@ -5,13 +5,23 @@
             + [matmul] 2·|out| / (peak · e_matmul_output)
 
 where the class is matmul or other arithmetic, and bytes of data movement
-(gather, scatter, transpose, ...) have their own efficiency. The last term is
-a matmul's cost per output element (loading and storing the output tiles: the
-M·N part of a GEMM's M·N·K), priced as one extra multiply-add per element. It
-is what makes a matmul with a short contraction slower per FLOP than a long
-one: attention's K = 64 products against the K = 768 projections. Fitted on
-gpt2-small's profile on this CPU (three profiles), it moved the blocks from
-−16% to −8% and the head from +10% to +2%.
+(gather, scatter, transpose, ...) have their own efficiency. The terms add
+rather than overlap (a roofline would take their maximum): calibrated on
+gpt2-small's profiled layers on this CPU, the additive form predicted the
+forward pieces better (block −19%, head +2%, against −25% and −12% with the
+maximum), and the byte efficiencies absorb the traffic that fusion saves. The
+efficiencies are fractions of the datasheet peak that real kernels reach;
+:mod:`orchestrator.profile` calibrates them for the local device from measured
+layer times. The defaults below are typical of tuned GPU kernels (large
+matmuls reach 60–80% of peak, streaming kernels 70–90% of memory bandwidth)
+and are what uncalibrated device types are projected with.
+
+The last term is a matmul's cost per output element (loading and storing the
+output tiles: the M·N part of a GEMM's M·N·K), priced as one extra
+multiply-add per element. It is what makes a matmul with a short contraction
+slower per FLOP than a long one: attention's K = 64 products against the
+K = 768 projections. Fitted on three gpt2-small profiles on this CPU, it moved
+the blocks from −16% to −8% and the head from +10% to +2%.
 
 Where the device lists its last-level cache (``DeviceType.cache_bytes``), the
 bytes of an arithmetic op whose largest tensor is bigger than the cache are
@@ -21,17 +31,9 @@ Ilić et al., 2014). On this CPU (32 MiB L3) that is what separates AdamW over
 gpt2-small's 154 MB embedding table (1.55 ns per parameter) from AdamW over a
 block's ≤ 9.4 MB tensors (1.2 ns): with one memory efficiency the embedding
 layer was 36% under its profile; with the split, fitted on gpt2-small batch 1
-and checked on held-out profiles, the embedding layers of gpt2-small at
-batch 4 × 256 and of mamba-130m came within 9% (they were 33–39% under). The terms add
-rather than overlap (a roofline would take their maximum): calibrated on
-gpt2-small's profiled layers on this CPU, the additive form predicted the
-forward pieces better (block −19%, head +2%, against −25% and −12% with the
-maximum), and the byte efficiencies absorb the traffic that fusion saves. The efficiencies are
-fractions of the datasheet peak that real kernels reach; :mod:`orchestrator.profile`
-calibrates them for the local device from measured layer times. The defaults
-below are typical of tuned GPU kernels (large matmuls reach 60–80% of peak,
-streaming kernels 70–90% of memory bandwidth) and are what uncalibrated device
-types are projected with.
+and checked on profiles it was not fitted on, the embedding layers of
+gpt2-small at batch 4 × 256 and of mamba-130m came within 9% (they were
+33–39% under).
 """
 
 from __future__ import annotations
