@@ -4,7 +4,7 @@ For layer ℓ captured with batch B, run with microbatch m on a device of type d
 under tensor-parallel degree t and data-parallel degree p (see ``_sharding``
 for which ops tensor parallelism splits, ``_liveness`` for activation memory):
 
-    time_phase(ℓ, d)  = Σ_{op ∈ ℓ, phase} t_d(op) · (1/t if op is split) · (m/B if op is batch-dependent)
+    time_phase(ℓ, d)  = Σ_{op ∈ ℓ, phase} t_d(op) · (1/t if op is split) · (m/B if op works on the batch)
     backward          += forward  when the layer recomputes its forward pass
     TP communication  = Σ_{all-reduced op ∈ ℓ} AR(bytes(op) · m/B, t)       (forward again under recompute)
     DP gradient sync  = AR(G, p)  or  RS(G, p) + AG(P, p)   with G = local gradient bytes, one per
@@ -15,6 +15,13 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
     activations       = bytes live at the forward→backward boundary, per in-flight microbatch
                         (only the layer's input under recompute)
     transient         = peak of the layer's own forward+backward temporaries (its outputs apart) minus the above
+
+An op works on the batch if its output depends on it or it reads a value that
+does: a weight gradient x^T·dy has a parameter's shape, but its FLOPs grow with
+the batch it contracts over. (Until session 6 only the first counted, so at
+microbatch 32 the planner priced gpt2-small's block backward at 1.35× its
+forward instead of 1.75×.) Memory scales by the first only: a weight
+gradient's buffer is one parameter's size at any batch.
 
 Identical layers (same signature) share every entry: costs are cached by
 (signature, device type, configuration, links).
@@ -144,6 +151,14 @@ class CostModel:
             and op.outputs[0].shape not in param_shapes
             for op in graph.ops()
         }
+        # work that grows with the microbatch: batch-dependent outputs, and ops reading them
+        self._batch_work = {
+            op.name: op.phase != "optimizer"
+            and (
+                self._batch_dependent[op.name] or any(self._batch_dependent[p] for p in graph.nx.predecessors(op.name))
+            )
+            for op in graph.ops()
+        }
         self.traffic = traffic_bytes(graph)
         opt_bytes = float(graph.meta.get("optimizer_state_bytes", 0))
         self.optimizer_ratio = opt_bytes / graph.param_bytes if graph.param_bytes else 0.0
@@ -202,7 +217,7 @@ class CostModel:
         )
 
     def _phase_times(self, index: int, device_type: str, tp: int) -> dict[tuple[str, bool, bool], float]:
-        """Unscaled op times summed by (phase, split by TP, batch-dependent)."""
+        """Unscaled op times summed by (phase, split by TP, works on the batch)."""
         return self._memo(
             self._time_memo, (index, device_type, tp), lambda: self._compute_phase_times(index, device_type, tp)
         )
@@ -214,7 +229,7 @@ class CostModel:
         times: dict[tuple[str, bool, bool], float] = defaultdict(float)
         for name in self.layers[index].ops:
             op = self.graph.op(name)
-            key = (op.phase, name in split_ops, self._batch_dependent[name])
+            key = (op.phase, name in split_ops, self._batch_work[name])
             times[key] += op_time_s(op, device, eff, self.traffic[name])
         return dict(times)
 

@@ -174,6 +174,8 @@ def test_tensor_parallel_splits_compute_and_parameters():
     assert two.forward_s < one.forward_s
     assert one.tp_comm_s == 0 < two.tp_comm_s
     assert half.forward_s == pytest.approx(one.forward_s / 2, rel=0.05)
+    # the backward too: weight gradients have a parameter's shape but contract over the batch
+    assert half.backward_s == pytest.approx(one.backward_s / 2, rel=0.05)
     assert half.activation_bytes == pytest.approx(one.activation_bytes / 2, rel=0.05)
     recompute = model.layer_cost(1, "a100", ParallelConfig(microbatch_size=8, recompute=True))
     assert recompute.backward_s == pytest.approx(one.backward_s + one.forward_s)
@@ -184,6 +186,17 @@ def test_tensor_parallel_splits_compute_and_parameters():
     assert plain.optimizer_bytes == pytest.approx(2 * plain.param_bytes, rel=0.01)  # AdamW: two moments
     with pytest.raises(KeyError, match="unknown device type"):
         model.layer_cost(1, "v100", ParallelConfig())
+
+
+def test_backward_grows_with_the_microbatch_like_the_forward():
+    """Captured at batch 1 and priced at microbatch 32, a block's backward/forward ratio is unchanged."""
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1))
+    model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=1)
+    one = model.layer_cost(1, "a100", ParallelConfig(microbatch_size=1))
+    many = model.layer_cost(1, "a100", ParallelConfig(microbatch_size=32))
+    assert many.backward_s / many.forward_s == pytest.approx(one.backward_s / one.forward_s, rel=0.05)
+    assert many.param_bytes == one.param_bytes
 
 
 def test_faster_device_type_is_faster_and_slow_links_cost_more():
