@@ -99,6 +99,10 @@ BAD = {
         "network.rack.bandwidth_gbps: Input should be greater than 0",
     ),
     "zero devices": (lambda d: d["hosts"][1].update(count=0), "hosts[1].count: Input should be greater than 0"),
+    "zero cache": (
+        lambda d: d["device_types"]["a100"].update(cache_bytes=0),
+        "device_types.a100.cache_bytes: Input should be greater than 0",
+    ),
     "unknown device type": (
         lambda d: d["hosts"][0].update(device_type="b200"),
         "hosts[0].device_type: unknown device type 'b200'",
