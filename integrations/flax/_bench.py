@@ -24,9 +24,18 @@ the second term being the whole step's device-seconds spread over c cores
 update and gradient sync, all at single-device speed). The host dispatches
 every program and transfer from one Python thread, on the same cores: with
 D dispatches per step (counted on the executor: 3 for a single-stage step,
-dozens for a pipeline) costing d each (measured: a tiny jitted call),
+dozens for a pipeline) costing d each (measured: a tiny jitted call) and N
+device buffers they take and return (one per shard, counted on the executor)
+costing b each (measured: a call over 64 arrays against one over 1, about
+1.5 µs a buffer),
 
-    step = max( replay,  D·d,  (Σ_s k_s · (M · (F_s + B_s) + U_s) + D·d) / c )
+    host = D·d + N·b
+    step = max( replay,  host,  (Σ_s k_s · (M · (F_s + B_s) + U_s) + host) / c )
+
+Measured in session 6: gpt-tiny's pipelines are host-bound — the host takes
+59 ms (2 stages) and 38 ms (4 stages) to issue a step that completes in 60 and
+43 ms — and the model's host term accounts for about 18 ms of the 59: the rest
+is the executor's own Python work per call, which it does not price.
 """
 
 from __future__ import annotations
@@ -135,7 +144,34 @@ def dispatch_overhead_s(repeats: int = 50) -> float:
     return statistics.median(times)
 
 
-def simulated_step_s(plan, su: Setup, *, dispatches: int = 3, dispatch_s: float = 0.0) -> float:
+def buffer_overhead_s(repeats: int = 30) -> float:
+    """Host seconds per device buffer a call takes or returns: one jitted call over 64 arrays
+    against one over a single array, each sharded over 2 devices (measured: about 1.5 µs per
+    buffer on this CPU, so a stage program passing 100 two-shard arrays costs 0.3 ms to issue)."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharding = NamedSharding(mesh, P())
+    fn = jax.jit(lambda *xs: [x + 1 for x in xs])
+
+    def seconds(n: int) -> float:
+        xs = [jax.device_put(np.zeros((8, 8), np.float32), sharding) for _ in range(n)]
+        jax.block_until_ready(fn(*xs))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*xs))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return max(0.0, (seconds(64) - seconds(1)) / (63 * 2 * 2))  # 63 more arrays, in and out, 2 shards each
+
+
+def simulated_step_s(
+    plan, su: Setup, *, dispatches: int = 3, dispatch_s: float = 0.0, buffers: int = 0, buffer_s: float = 0.0
+) -> float:
     """Predicted step time on the shared-core host (see module docstring)."""
     from integrations.callbacks._report import schedule_trace
 
@@ -157,12 +193,12 @@ def simulated_step_s(plan, su: Setup, *, dispatches: int = 3, dispatch_s: float 
         busy += len(stage.devices) * (plan.microbatches * (f + b) + u)
     replay = schedule_trace(dataclasses.replace(plan, stages=tuple(timed)))
     makespan = max(e["ts"] + e["dur"] for e in replay["traceEvents"] if e["ph"] == "X") / 1e6
-    host = dispatches * dispatch_s
+    host = dispatches * dispatch_s + buffers * buffer_s
     return max(makespan, host, (busy + host) / su.cores)
 
 
-def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> list[tuple[float, int]]:
-    """Per plan: (median wall time of a training step, host dispatches per step).
+def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> list[tuple[float, int, int]]:
+    """Per plan: (median wall time of a training step, host dispatches and device buffers per step).
 
     The plans take turns, one step each per round, so that load from other
     processes on the machine falls on all of them alike.
@@ -177,17 +213,33 @@ def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> li
         placed = shard(plan, su.state, param_axes=su.axes, layers=layers)
         runs.append([compile_step(plan, su.recipe.train_step, placed, param_axes=su.axes, layers=layers), placed])
     times: list[list[float]] = [[] for _ in plans]
-    for r in range(warmup + rounds):
+    buffers = [0] * len(plans)
+    for r in range(warmup + rounds + 1):
         for i, run in enumerate(runs):
+            counting = r == warmup + rounds  # one last, untimed step counts the buffers
+            pipeline = isinstance(run[0], Pipeline)
+            if counting:
+                if pipeline:
+                    run[0].count_buffers = True
+                inputs = _shards((run[1], su.batch))
             start = time.perf_counter()
             run[1], metrics = run[0](run[1], su.batch)
             jax.block_until_ready((run[1], metrics))
-            if r >= warmup:
+            if warmup <= r < warmup + rounds:
                 times[i].append(time.perf_counter() - start)
+            if counting and pipeline:
+                buffers[i], run[0].count_buffers = run[0].buffers, False
+            elif counting:  # one jitted call: the state and batch in, the state and metrics out
+                buffers[i] = inputs + _shards((run[1], metrics))
     return [
-        (statistics.median(t), run[0].dispatches if isinstance(run[0], Pipeline) else 1 + len(su.batch))
-        for t, run in zip(times, runs)
+        (statistics.median(t), run[0].dispatches if isinstance(run[0], Pipeline) else 1 + len(su.batch), b)
+        for t, run, b in zip(times, runs, buffers)
     ]
+
+
+def _shards(tree) -> int:
+    """Device buffers behind a pytree of arrays: one per shard."""
+    return sum(len(x.sharding.device_set) for x in jax.tree.leaves(tree) if hasattr(x, "sharding"))
 
 
 def measured_stage_seconds(plan, su: Setup, *, repeats: int = 7) -> list[float]:
@@ -294,15 +346,18 @@ def ranking_case(su: Setup, progress=None, *, plans=RANK_PLANS) -> tuple[dict, l
         progress(f"step times {su.recipe.name}, {len(plans)} plans")
     built = [check_plan(name, global_batch=su.batch["inputs"].shape[0]) for name in plans]
     measured = measured_step_s(built, su)
-    dispatch_s = dispatch_overhead_s()
+    dispatch_s, buffer_s = dispatch_overhead_s(), buffer_overhead_s()
     rows = [
         {
             "plan": name,
             "measured_s": seconds,
-            "simulated_s": simulated_step_s(plan, su, dispatches=dispatches, dispatch_s=dispatch_s),
+            "simulated_s": simulated_step_s(
+                plan, su, dispatches=dispatches, dispatch_s=dispatch_s, buffers=buffers, buffer_s=buffer_s
+            ),
             "dispatches": dispatches,
+            "buffers": buffers,
         }
-        for name, plan, (seconds, dispatches) in zip(plans, built, measured)
+        for name, plan, (seconds, dispatches, buffers) in zip(plans, built, measured)
     ]
     tau = kendall_tau([r["measured_s"] for r in rows], [r["simulated_s"] for r in rows])
     case = _case(f"{su.recipe.name} {len(rows)} plans", "Kendall tau measured vs simulated", tau >= 0.8, tau=tau)

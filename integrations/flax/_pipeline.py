@@ -269,6 +269,10 @@ class Pipeline:
         self._built: dict[str, tuple] = {}
         self._record: list | None = None  # (stage, "forward" | "backward" | "update", jitted, args)
         self.dispatches = 0
+        # Observation for the executor bench: count the device buffers (one per shard) that the
+        # step's calls and transfers take and return; the host's cost of a call grows with them.
+        self.count_buffers = False
+        self.buffers = 0
         # Per state leaf: the stage owning it (a parameter or its optimizer moments), None if shared.
         self.leaf_owner = [None if name is None else self.owners[name] for name, _ in leaf_params(state)]
         self._updates = [self._update_fn(s) for s in range(len(plan.stages))]
@@ -574,15 +578,26 @@ class Pipeline:
         micro, programs, fns = self._built[key]
         plan, n, m = self.plan, len(self.plan.stages), self.plan.microbatches
         self.dispatches = 0  # host → device calls this step: jitted programs and transfers
+        self.buffers = 0
+
+        def shards(tree) -> int:
+            return sum(len(x.sharding.device_set) for x in jax.tree.leaves(tree) if hasattr(x, "sharding"))
 
         def put(*args, **kwargs):
             self.dispatches += 1
-            return jax.device_put(*args, **kwargs)
+            out = jax.device_put(*args, **kwargs)
+            if self.count_buffers:
+                self.buffers += shards(out)
+            return out
 
         busy, cpu = [0.0] * n, [0.0] * n
 
         def call(fn, *args, stage: int):
             self.dispatches += 1
+            if self.count_buffers:
+                out = fn(*args)
+                self.buffers += shards(args) + shards(out)
+                return out
             if not self.timed:
                 return fn(*args)
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -671,6 +686,8 @@ class Pipeline:
                     self._zeros(stage_params[s][p.inputs[i][1]], sharding, f["dp"])
                     for i, sharding in zip(f["param_inputs"], param_shardings[s])
                 ]
+                if self.count_buffers:
+                    self.buffers += shards(acc)
             if mb == 0:
                 self._note(s, "backward", f["backward"], (saved, out_cts, acc))
             accumulated[s], in_cts = call(f["backward"], saved, out_cts, acc, stage=s)
