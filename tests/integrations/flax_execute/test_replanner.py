@@ -226,7 +226,11 @@ def test_planner_moves_layers_off_devices_marked_slow(scenario):
     current = translate(even, cluster, [d.ref for d in base.all_devices()], refs)
     proposed = replan(current, model, time_limit_s=5)
     slow_refs = set(refs[:4])
-    assert sum(len(s.layers) for s in proposed.stages if set(s.devices) & slow_refs) < 2
+    # the blocks, where the work is, leave the slowed devices (the cheap embedding and head may stay:
+    # with 4 fast devices free for the blocks, parking them on slow devices is a fine plan)
+    blocks = {layer.index for layer in base_model.layers if "blocks_" in layer.name}
+    on_slow = {i for s in proposed.stages if set(s.devices) & slow_refs for i in s.layers}
+    assert blocks and not on_slow & blocks, [(s.layers, s.devices) for s in proposed.stages]
     assert step_s(price(proposed, model), model) < step_s(price(current, model), model)
 
 
