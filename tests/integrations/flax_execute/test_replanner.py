@@ -33,7 +33,10 @@ from recipes.gpt import GPTConfig
 
 BATCH, SEQ, MICROBATCHES = 32, 32, 2
 EXTRA = 12
-WINDOW, THRESHOLD, PATIENCE = 5, 1.3, 3
+# The injected slowdown makes stage 0 about 5x slower; on the 2-core CI machine with the other test
+# worker running, noise alone reached a smoothed 1.37 before the onset (a false trigger at 1.3), so
+# the threshold sits between the two.
+WINDOW, THRESHOLD, PATIENCE = 5, 1.6, 3
 SPIKE, ONSET = 7, 12
 BOUND = math.ceil(WINDOW / 2) + PATIENCE  # steps from the onset to the switch decision, 2 of them slack
 AFTER = WINDOW + 3  # steps run after the new plan compiled
