@@ -26,8 +26,8 @@ every program and transfer from one Python thread, on the same cores: with
 D dispatches per step (counted on the executor: 3 for a single-stage step,
 dozens for a pipeline) costing d each (measured: a tiny jitted call) and N
 device buffers they take and return (one per shard, counted on the executor)
-costing b each (measured: a call over 64 arrays against one over 1, about
-1.5 µs a buffer),
+costing b each (measured: a call over 64 arrays against one over 1,
+1.0–1.5 µs a buffer),
 
     host = D·d + N·b
     step = max( replay,  host,  (Σ_s k_s · (M · (F_s + B_s) + U_s) + host) / c )
@@ -146,11 +146,13 @@ def dispatch_overhead_s(repeats: int = 50) -> float:
 
 def buffer_overhead_s(repeats: int = 30) -> float:
     """Host seconds per device buffer a call takes or returns: one jitted call over 64 arrays
-    against one over a single array, each sharded over 2 devices (measured: about 1.5 µs per
-    buffer on this CPU, so a stage program passing 100 two-shard arrays costs 0.3 ms to issue)."""
+    against one over a single array, each sharded over 2 devices (measured on this CPU: 1.0–1.5 µs
+    per buffer)."""
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from orchestrator.profile import median_seconds
 
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     sharding = NamedSharding(mesh, P())
@@ -158,13 +160,7 @@ def buffer_overhead_s(repeats: int = 30) -> float:
 
     def seconds(n: int) -> float:
         xs = [jax.device_put(np.zeros((8, 8), np.float32), sharding) for _ in range(n)]
-        jax.block_until_ready(fn(*xs))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*xs))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_seconds(fn, *xs, repeats=repeats)
 
     return max(0.0, (seconds(64) - seconds(1)) / (63 * 2 * 2))  # 63 more arrays, in and out, 2 shards each
 
