@@ -199,7 +199,7 @@ def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> li
     The plans take turns, one step each per round, so that load from other
     processes on the machine falls on all of them alike.
     """
-    from integrations.flax._pipeline import Pipeline
+    from integrations.flax._pipeline import Pipeline, shard_count
     from integrations.flax._shard import shard
     from integrations.flax._step import compile_step
 
@@ -217,7 +217,7 @@ def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> li
             if counting:
                 if pipeline:
                     run[0].count_buffers = True
-                inputs = _shards((run[1], su.batch))
+                inputs = shard_count((run[1], su.batch))
             start = time.perf_counter()
             run[1], metrics = run[0](run[1], su.batch)
             jax.block_until_ready((run[1], metrics))
@@ -226,16 +226,11 @@ def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> li
             if counting and pipeline:
                 buffers[i], run[0].count_buffers = run[0].buffers, False
             elif counting:  # one jitted call: the state and batch in, the state and metrics out
-                buffers[i] = inputs + _shards((run[1], metrics))
+                buffers[i] = inputs + shard_count((run[1], metrics))
     return [
         (statistics.median(t), run[0].dispatches if isinstance(run[0], Pipeline) else 1 + len(su.batch), b)
         for t, run, b in zip(times, runs, buffers)
     ]
-
-
-def _shards(tree) -> int:
-    """Device buffers behind a pytree of arrays: one per shard."""
-    return sum(len(x.sharding.device_set) for x in jax.tree.leaves(tree) if hasattr(x, "sharding"))
 
 
 def measured_stage_seconds(plan, su: Setup, *, repeats: int = 7) -> list[float]:

@@ -221,6 +221,11 @@ def _is_float(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.floating)
 
 
+def shard_count(tree) -> int:
+    """Device buffers behind a pytree of arrays: one per shard."""
+    return sum(len(x.sharding.device_set) for x in jax.tree.leaves(tree) if hasattr(x, "sharding"))
+
+
 class Pipeline:
     """``step(state, batch) -> (state, {"loss": mean over microbatches})`` for a multi-stage plan.
 
@@ -580,14 +585,11 @@ class Pipeline:
         self.dispatches = 0  # host → device calls this step: jitted programs and transfers
         self.buffers = 0
 
-        def shards(tree) -> int:
-            return sum(len(x.sharding.device_set) for x in jax.tree.leaves(tree) if hasattr(x, "sharding"))
-
         def put(*args, **kwargs):
             self.dispatches += 1
             out = jax.device_put(*args, **kwargs)
             if self.count_buffers:
-                self.buffers += shards(out)
+                self.buffers += shard_count(out)
             return out
 
         busy, cpu = [0.0] * n, [0.0] * n
@@ -596,7 +598,7 @@ class Pipeline:
             self.dispatches += 1
             if self.count_buffers:
                 out = fn(*args)
-                self.buffers += shards(args) + shards(out)
+                self.buffers += shard_count(args) + shard_count(out)
                 return out
             if not self.timed:
                 return fn(*args)
@@ -687,7 +689,7 @@ class Pipeline:
                     for i, sharding in zip(f["param_inputs"], param_shardings[s])
                 ]
                 if self.count_buffers:
-                    self.buffers += shards(acc)
+                    self.buffers += shard_count(acc)
             if mb == 0:
                 self._note(s, "backward", f["backward"], (saved, out_cts, acc))
             accumulated[s], in_cts = call(f["backward"], saved, out_cts, acc, stage=s)
