@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from integrations.flax._capture import _key_name, capture, is_param_path, param_path_name
 from integrations.flax._shard import DATA, device_map, leaf_params, param_owners, param_spec, stage_mesh
 from integrations.flax._slice import SlicedStep
+from integrations.flax._transfer import transfer
 
 Kind = str  # "param" | "batch" | "act"
 
@@ -585,9 +586,9 @@ class Pipeline:
         self.dispatches = 0  # host → device calls this step: jitted programs and transfers
         self.buffers = 0
 
-        def put(*args, **kwargs):
+        def put(x, sharding, **kwargs):
             self.dispatches += 1
-            out = jax.device_put(*args, **kwargs)
+            out = jax.device_put(x, sharding, **kwargs) if kwargs else transfer(x, sharding)
             if self.count_buffers:
                 self.buffers += shard_count(out)
             return out
@@ -608,7 +609,8 @@ class Pipeline:
             cpu[stage] += time.process_time() - start_cpu
             return out
 
-        batch_leaves = jax.tree.leaves(batch)
+        # the batch on the host once: each stage's microbatch slices then go host → devices directly
+        batch_leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(batch)]
         flat_state, treedef = jax.tree_util.tree_flatten(state)
         params = {
             param_path_name(path): leaf
