@@ -454,6 +454,14 @@ class Pipeline:
         stacked = NamedSharding(sharding.mesh, P(DATA, *sharding.spec))
         return jax.device_put(np.zeros((dp, *like.shape), like.dtype), stacked)
 
+    @staticmethod
+    def _zeros_program(likes: list, shardings: list, dp: int):
+        """One jitted call that makes every zero accumulator of a stage on its devices (a
+        ``device_put`` of host zeros per parameter cost 0.17 ms each, 29 a step on gpt-tiny)."""
+        shapes = [((dp, *x.shape) if dp > 1 else x.shape, x.dtype) for x in likes]
+        outs = [sh if dp == 1 else NamedSharding(sh.mesh, P(DATA, *sh.spec)) for sh in shardings]
+        return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype in shapes], out_shardings=outs)
+
     def _update_fn(self, s: int):
         stacked = self.plan.stages[s].dp > 1
 
@@ -685,11 +693,10 @@ class Pipeline:
             saved = residuals.pop((s, mb))
             acc = accumulated[s]
             if acc is None:
-                self.dispatches += len(f["param_inputs"])
-                acc = [
-                    self._zeros(stage_params[s][p.inputs[i][1]], sharding, f["dp"])
-                    for i, sharding in zip(f["param_inputs"], param_shardings[s])
-                ]
+                if "zeros" not in f:
+                    likes = [stage_params[s][p.inputs[i][1]] for i in f["param_inputs"]]
+                    f["zeros"] = self._zeros_program(likes, param_shardings[s], f["dp"])
+                acc = call(f["zeros"], stage=s)
                 if self.count_buffers:
                     self.buffers += shard_count(acc)
             if mb == 0:
