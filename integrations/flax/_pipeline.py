@@ -685,9 +685,11 @@ class Pipeline:
             p, f = programs[s], fns[s]
             out_cts = []
             for key, aval in zip(p.outputs, f["out_avals"]):
-                if key == "loss":
-                    seed = np.full(aval.shape, 1.0 / (m * f["dp"]), aval.dtype)
-                    out_cts.append(put(seed, NamedSharding(self.meshes[s], P())))
+                if key == "loss":  # the loss cotangent: the same constant every microbatch and step
+                    if "seed" not in f:
+                        seed = np.full(aval.shape, 1.0 / (m * f["dp"]), aval.dtype)
+                        f["seed"] = put(seed, NamedSharding(self.meshes[s], P()))
+                    out_cts.append(f["seed"])
                 else:
                     out_cts.append(cts.pop((s, mb, key)))
             saved = residuals.pop((s, mb))

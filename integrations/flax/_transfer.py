@@ -36,6 +36,12 @@ def _slicer(start: tuple[int, ...], limit: tuple[int, ...]):
 
 
 @functools.cache
+def _same_placement(a: Sharding, b: Sharding, ndim: int) -> bool:
+    """``P('model')`` and ``P('model', None)`` on one mesh: the same shards on the same devices."""
+    return a.is_equivalent_to(b, ndim)
+
+
+@functools.cache
 def _replicator(source: Sharding):
     """Every device of ``source`` gets the whole array (an all-gather, device to device)."""
     return jax.jit(lambda x: x, out_shardings=NamedSharding(source.mesh, P()))
@@ -53,6 +59,8 @@ def transfer(x: jax.Array, sharding: Sharding) -> jax.Array:
     """``x`` placed per ``sharding``, copied device to device (see the module docstring)."""
     if not isinstance(x, jax.Array) or not x.is_fully_addressable or not isinstance(x.sharding, NamedSharding):
         return jax.device_put(x, sharding)
+    if x.sharding == sharding or _same_placement(x.sharding, sharding, x.ndim):
+        return x  # already there (a stage's own parameters, every step)
     shape = x.shape
     sources = [(_key(s.index, shape), s.data) for s in x.addressable_shards]
     held = {bounds for bounds, _ in sources}
