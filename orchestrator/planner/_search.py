@@ -25,16 +25,18 @@ from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs, simple_bo
 from orchestrator.planner._migration import Migration
 from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._table import CostTable
-from orchestrator.solver import highs_available, solve
+from orchestrator.solver import HighsSession, highs_available, solve
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # HiGHS's MIP presolve spent 11.6 s on gpt2-small × mixed-a100-v100 at M = 8 (3,358 columns)
 # before its root LP, so a solve given a share of a 10 s budget ended with no bound at all;
-# without it the root bound comes in 0.2 s and branch and bound gets the time (that
-# instance's certified gap: 38% with presolve, 25% without; gpt-1.3b: 20% → 8%).
+# without it the root bound comes first. Short solves (the first pass, the CBC-less whole
+# model) go without presolve; the second pass, with time for it, keeps HiGHS's default.
 MIP_OPTIONS = {"presolve": "off"}
+# the first pass gives each (M, S) piece at most this long; what is left then goes to the open ones
+FIRST_PASS_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +171,65 @@ def _heuristic(model, space, global_batch, schedule, candidates, max_stages, rec
     return min(found, key=lambda f: f.iteration_s) if found else None
 
 
+@dataclass(slots=True)
+class _Piece:
+    """One piece of the search: microbatch count ``model.M`` with exactly ``stages`` stages.
+
+    Fixing S removes the relaxation's cheapest trick — spreading the work over fractions
+    of many stages, which hides the pipeline fill — so a piece proves its bound far sooner
+    than the whole model of its M: on gpt2-small × mixed-a100-v100 all 7 microbatch counts
+    × 14 stage counts close in 33 s (gap 0), where one model per M had a 25% gap after 10 s
+    and 38% after 60 s. The pieces of one M share a HiGHS session (one model, bounds changed
+    per solve)."""
+
+    model: StageModel
+    session: HighsSession
+    stages: int
+    bound_s: float  # certified lower bound (s); inf once it cannot beat the incumbent
+    done: bool = False
+
+
+def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, options: dict | None = None):
+    """Solve ``piece`` for better plans than ``best`` (score s, evaluation, stages, groups, M)
+    (started from it when it has the piece's M and S); a search stopped before its root
+    bound reports its relaxation's bound."""
+    sub, S = piece.model, piece.stages
+    closed = {sub.u[j, g]: (0.0, 0.0) for j in range(S, sub.J) for g in range(len(sub.groups))}
+    rows = {f"stage_order_one_group_{S - 1}": (1.0, 1.0)}
+    warm = best is not None and best[4] == sub.M and len(best[2]) == S and sub.set_start(best[2], best[3])
+    cutoff = None if warm or best is None else best[0] * MS * (1 - 1e-9)
+    result = piece.session.solve(
+        columns=closed, rows=rows, time_limit_s=time_limit_s, gap=gap, cutoff=cutoff, use_start=warm, options=options
+    )
+    if not math.isfinite(result.bound) and result.status not in ("Infeasible", "Optimal"):
+        relaxed = piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=min(0.5, time_limit_s))
+        result = dataclasses.replace(result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status)
+    log.debug(
+        "M=%d, %d stages: %s in %.2f s, objective %.6g ms, bound %.6g ms",
+        sub.M,
+        S,
+        result.status,
+        result.solve_s,
+        result.objective,
+        result.bound,
+    )
+    return result
+
+
+def _whole(sub: StageModel, best, *, gap: float, deadline: float):
+    """One solve over every stage count (the CBC fallback, which has no session)."""
+    warm = best is not None and best[4] == sub.M and sub.set_start(best[2], best[3])
+    if best is not None and not warm:
+        # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
+        sub.lp += sub.lp.objective <= best[0] * MS * (1 - 1e-9), "better_than_incumbent"
+    options = MIP_OPTIONS if highs_available() else None
+    result = solve(sub.lp, time_limit_s=max(0.2, deadline - time.perf_counter()), gap=gap, use_start=warm, options=options)
+    if not math.isfinite(result.bound) and result.status not in ("Infeasible", "Optimal"):
+        relaxed = _relaxation_bound(sub.lp, time_limit_s=0.5)
+        result = dataclasses.replace(result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status)
+    return result
+
+
 def plan(
     model: CostModel,
     *,
@@ -259,6 +320,29 @@ def plan(
         ev = evaluate(*given, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
         if ev.feasible and (best is None or score(ev, given[0], given[1]) < best[0]):
             best = (score(ev, given[0], given[1]), ev, given[0], given[1], given[2])
+    def record(sub: StageModel, result, piece: _Piece | None = None) -> None:
+        """Fold one solve into the incumbent and the certified bound (per piece, or per M)."""
+        nonlocal best, lower
+        bound = max(result.bound / MS, sub.simple_bound_s())
+        if result.has_solution:
+            stages, chosen = sub.read()
+            ev = evaluate(stages, chosen, sub.M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
+            if ev.feasible and (best is None or score(ev, stages, chosen) < best[0]):
+                best = (score(ev, stages, chosen), ev, stages, chosen, sub.M)
+        if piece is None:  # a whole M at once
+            if result.status != "Infeasible":  # under a cutoff: nothing better than the incumbent here
+                lower = min(lower, bound)
+                if not result.has_solution:
+                    unproven.append(sub.M)
+            return
+        if result.status == "Infeasible":
+            piece.bound_s, piece.done = math.inf, True
+        else:
+            piece.bound_s = max(piece.bound_s, bound)
+            piece.done = result.status == "Optimal" or (best is not None and bound >= best[0])
+
+    # first pass: each M's model, then a short solve of each of its stage counts
+    pieces: list[_Piece] = []
     for index, M in enumerate(candidates):
         remaining = time_limit_s - (time.perf_counter() - started)
         if remaining <= 0 and best is not None:  # out of time: this M keeps only its solve-free bound
@@ -282,45 +366,32 @@ def plan(
         sub.build(incumbent_s=best[0] if best else None)
         if migration is not None:
             migration.add_to(sub)
-        built = time.perf_counter()
-        warm = best is not None and best[4] == M and sub.set_start(best[2], best[3])
-        if best is not None and not warm:
-            # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
-            sub.lp += sub.lp.objective <= best[0] * MS * (1 - 1e-9), "better_than_incumbent"
-        # this M's share of the time left once its model is built (building 175B's takes up to 0.9 s)
-        share = (time_limit_s - (time.perf_counter() - started)) / (len(candidates) - index)
-        result = solve(sub.lp, time_limit_s=max(0.2, share), gap=gap, use_start=warm, options=MIP_OPTIONS)
-        log.debug(
-            "M=%d: %d columns, %d rows, built in %.2f s; %s in %.2f s, objective %.6g ms, bound %.6g ms",
-            M,
-            len(sub.lp.variables()),
-            sub.lp.numConstraints(),
-            built - (started + (time_limit_s - remaining)),
-            result.status,
-            result.solve_s,
-            result.objective,
-            result.bound,
-        )
         left = time_limit_s - (time.perf_counter() - started)
-        trivial = result.bound / MS <= sub.simple_bound_s()  # none, or the root LP never finished
-        if trivial and result.status not in ("Infeasible", "Optimal") and left > 0.05:
-            # the LP relaxation's bound, within the time left (else the solve-free bound below)
-            relaxed = _relaxation_bound(sub.lp, time_limit_s=min(left, max(0.5, remaining / 4)))
-            result = dataclasses.replace(
-                result, bound=max(result.bound, relaxed), status="Infeasible" if relaxed == math.inf else result.status
-            )
-        bound = max(result.bound / MS, sub.simple_bound_s())
-        if not result.has_solution:
-            # "Infeasible" under a cutoff means: nothing better than the incumbent for this M
-            if result.status != "Infeasible":
-                lower = min(lower, bound)
-                unproven.append(M)
+        if not highs_available():
+            record(sub, _whole(sub, best, gap=gap, deadline=time.perf_counter() + left / (len(candidates) - index)))
             continue
-        lower = min(lower, bound)
-        stages, chosen = sub.read()
-        ev = evaluate(stages, chosen, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
-        if ev.feasible and (best is None or score(ev, stages, chosen) < best[0]):
-            best = (score(ev, stages, chosen), ev, stages, chosen, M)
+        session = HighsSession(sub.lp)
+        first = min(FIRST_PASS_S, max(0.05, left / (2 * (len(candidates) - index) * sub.J)))
+        for S in range(1, sub.J + 1):
+            piece = _Piece(sub, session, S, bound_s=sub.simple_bound_s())
+            pieces.append(piece)
+            if time.perf_counter() - started < time_limit_s:
+                record(sub, _solve_piece(piece, best, gap=gap, time_limit_s=first, options=MIP_OPTIONS), piece)
+    # then rounds over the open pieces, weakest bound first, sharing the time left
+    while (waiting := sorted((p for p in pieces if not p.done), key=lambda p: p.bound_s)) and (
+        time.perf_counter() - started < time_limit_s - 0.05
+    ):
+        for index, piece in enumerate(waiting):
+            left = time_limit_s - (time.perf_counter() - started)
+            if left <= 0.05:
+                break
+            if not piece.done:
+                result = _solve_piece(piece, best, gap=gap, time_limit_s=max(0.1, left / (len(waiting) - index)))
+                record(piece.model, result, piece)
+    for piece in pieces:
+        lower = min(lower, piece.bound_s)
+        if not piece.done:
+            unproven.append(piece.model.M)
     if best is None:
         if unproven:
             raise PlanNotFound(
