@@ -1,9 +1,19 @@
 """``plan()``: solve the stage ILP for every stage count and microbatch count, keep the best.
 
-The ILP (``_ilp``) fixes S and M so that in-flight activations (which depend
-on a stage's distance from the end of the pipeline) stay linear; the loop over
-(S, M) is exact over the candidate sets. The certified lower bound is the
-smallest of the per-(S, M) bounds, so the gap covers the whole search space.
+The ILP (``_ilp``) fixes M so that in-flight activations (which depend on a
+stage's distance from the end of the pipeline) stay linear, and each M's model
+is solved once per stage count S (a *piece*: positions ≥ S closed, S − 1 open),
+all pieces of one M in one HiGHS session. The search runs in three steps:
+
+1. the balanced heuristic and the baselines give a first incumbent (at most a
+   third of the time);
+2. a first pass builds each M's model and gives each of its pieces a short,
+   presolve-free solve: most prove at once that they cannot beat the incumbent;
+3. rounds over the pieces still open, weakest bound first, share what is left.
+
+The certified lower bound is the smallest bound over all pieces (a piece never
+solved keeps its solve-free capacity bound), so the gap covers the whole
+search space.
 """
 
 from __future__ import annotations
@@ -187,6 +197,7 @@ class _Piece:
     stages: int
     bound_s: float  # certified lower bound (s); inf once it cannot beat the incumbent
     done: bool = False
+    limit_s: float = 0.0  # the time limit of its last solve (a solve restarts from scratch)
 
 
 def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, options: dict | None = None):
@@ -198,12 +209,15 @@ def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, option
     rows = {f"stage_order_one_group_{S - 1}": (1.0, 1.0)}
     warm = best is not None and best[4] == sub.M and len(best[2]) == S and sub.set_start(best[2], best[3])
     cutoff = None if warm or best is None else best[0] * MS * (1 - 1e-9)
+    piece.limit_s = time_limit_s
     result = piece.session.solve(
         columns=closed, rows=rows, time_limit_s=time_limit_s, gap=gap, cutoff=cutoff, use_start=warm, options=options
     )
     if not math.isfinite(result.bound) and result.status not in ("Infeasible", "Optimal"):
         relaxed = piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=min(0.5, time_limit_s))
-        result = dataclasses.replace(result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status)
+        result = dataclasses.replace(
+            result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status
+        )
     log.debug(
         "M=%d, %d stages: %s in %.2f s, objective %.6g ms, bound %.6g ms",
         sub.M,
@@ -222,11 +236,12 @@ def _whole(sub: StageModel, best, *, gap: float, deadline: float):
     if best is not None and not warm:
         # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
         sub.lp += sub.lp.objective <= best[0] * MS * (1 - 1e-9), "better_than_incumbent"
-    options = MIP_OPTIONS if highs_available() else None
-    result = solve(sub.lp, time_limit_s=max(0.2, deadline - time.perf_counter()), gap=gap, use_start=warm, options=options)
+    result = solve(sub.lp, time_limit_s=max(0.2, deadline - time.perf_counter()), gap=gap, use_start=warm)
     if not math.isfinite(result.bound) and result.status not in ("Infeasible", "Optimal"):
         relaxed = _relaxation_bound(sub.lp, time_limit_s=0.5)
-        result = dataclasses.replace(result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status)
+        result = dataclasses.replace(
+            result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status
+        )
     return result
 
 
@@ -320,13 +335,16 @@ def plan(
         ev = evaluate(*given, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
         if ev.feasible and (best is None or score(ev, given[0], given[1]) < best[0]):
             best = (score(ev, given[0], given[1]), ev, given[0], given[1], given[2])
+
     def record(sub: StageModel, result, piece: _Piece | None = None) -> None:
         """Fold one solve into the incumbent and the certified bound (per piece, or per M)."""
         nonlocal best, lower
         bound = max(result.bound / MS, sub.simple_bound_s())
         if result.has_solution:
             stages, chosen = sub.read()
-            ev = evaluate(stages, chosen, sub.M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
+            ev = evaluate(
+                stages, chosen, sub.M, table=space.table, infos=space.infos, schedule=schedule, links=space.links
+            )
             if ev.feasible and (best is None or score(ev, stages, chosen) < best[0]):
                 best = (score(ev, stages, chosen), ev, stages, chosen, sub.M)
         if piece is None:  # a whole M at once
@@ -385,13 +403,14 @@ def plan(
             left = time_limit_s - (time.perf_counter() - started)
             if left <= 0.05:
                 break
-            if not piece.done:
-                result = _solve_piece(piece, best, gap=gap, time_limit_s=max(0.1, left / (len(waiting) - index)))
-                record(piece.model, result, piece)
+            if not piece.done:  # a fair share, and at least twice its last try (each try starts over)
+                limit = min(left, max(0.1, left / (len(waiting) - index), 2 * piece.limit_s))
+                record(piece.model, _solve_piece(piece, best, gap=gap, time_limit_s=limit), piece)
     for piece in pieces:
         lower = min(lower, piece.bound_s)
         if not piece.done:
             unproven.append(piece.model.M)
+            log.debug("open: M=%d, %d stages, bound %.6g ms", piece.model.M, piece.stages, piece.bound_s * MS)
     if best is None:
         if unproven:
             raise PlanNotFound(
