@@ -7,8 +7,9 @@ all pieces of one M in one HiGHS session. The search runs in three steps:
 
 1. the balanced heuristic and the baselines give a first incumbent (at most a
    third of the time);
-2. a first pass builds each M's model and gives each of its pieces a short,
-   presolve-free solve: most prove at once that they cannot beat the incumbent;
+2. every M's model is built, then a first pass gives each piece (fewest stages
+   first) a short, presolve-free solve: most prove at once that they cannot beat
+   the incumbent;
 3. rounds over the pieces still open, weakest bound first, share what is left.
 
 The certified lower bound is the smallest bound over all pieces (a piece never
@@ -213,11 +214,11 @@ def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, option
     result = piece.session.solve(
         columns=closed, rows=rows, time_limit_s=time_limit_s, gap=gap, cutoff=cutoff, use_start=warm, options=options
     )
-    if not math.isfinite(result.bound) and result.status not in ("Infeasible", "Optimal"):
-        relaxed = piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=min(0.5, time_limit_s))
-        result = dataclasses.replace(
-            result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status
-        )
+    trivial = result.bound / MS <= sub.simple_bound_s()  # none, or the root LP never finished
+    if trivial and result.status not in ("Infeasible", "Optimal"):
+        relaxed = piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=max(0.2, time_limit_s))
+        status = "Infeasible" if relaxed == math.inf else result.status
+        result = dataclasses.replace(result, bound=max(result.bound, relaxed), status=status)
     log.debug(
         "M=%d, %d stages: %s in %.2f s, objective %.6g ms, bound %.6g ms",
         sub.M,
@@ -359,7 +360,7 @@ def plan(
             piece.bound_s = max(piece.bound_s, bound)
             piece.done = result.status == "Optimal" or (best is not None and bound >= best[0])
 
-    # first pass: each M's model, then a short solve of each of its stage counts
+    # each M's model and its pieces, one per stage count (the CBC fallback solves the model whole)
     pieces: list[_Piece] = []
     for index, M in enumerate(candidates):
         remaining = time_limit_s - (time.perf_counter() - started)
@@ -384,17 +385,21 @@ def plan(
         sub.build(incumbent_s=best[0] if best else None)
         if migration is not None:
             migration.add_to(sub)
-        left = time_limit_s - (time.perf_counter() - started)
         if not highs_available():
+            left = time_limit_s - (time.perf_counter() - started)
             record(sub, _whole(sub, best, gap=gap, deadline=time.perf_counter() + left / (len(candidates) - index)))
             continue
         session = HighsSession(sub.lp)
-        first = min(FIRST_PASS_S, max(0.05, left / (2 * (len(candidates) - index) * sub.J)))
-        for S in range(1, sub.J + 1):
-            piece = _Piece(sub, session, S, bound_s=sub.simple_bound_s())
-            pieces.append(piece)
-            if time.perf_counter() - started < time_limit_s:
-                record(sub, _solve_piece(piece, best, gap=gap, time_limit_s=first, options=MIP_OPTIONS), piece)
+        pieces += [_Piece(sub, session, S, bound_s=sub.simple_bound_s()) for S in range(1, sub.J + 1)]
+    # first pass: a short presolve-free solve of every piece, fewest stages first
+    pieces.sort(key=lambda p: p.stages)
+    for index, piece in enumerate(pieces):
+        left = time_limit_s - (time.perf_counter() - started)
+        if left <= 0:
+            break
+        if not piece.done:
+            first = min(FIRST_PASS_S, max(0.05, left / (2 * (len(pieces) - index))))
+            record(piece.model, _solve_piece(piece, best, gap=gap, time_limit_s=first, options=MIP_OPTIONS), piece)
     # then rounds over the open pieces, weakest bound first, sharing the time left
     while (waiting := sorted((p for p in pieces if not p.done), key=lambda p: p.bound_s)) and (
         time.perf_counter() - started < time_limit_s - 0.05

@@ -178,6 +178,18 @@ def _interrupt_at(highs, deadline_s: float | Callable[[], float]) -> None:
     highs.cbMipInterrupt += stop_when_late
 
 
+def certified(optimal: bool, has_solution: bool, objective: float, dual: float) -> tuple[float, float]:
+    """(bound, gap) of a minimisation from its status, objective (inf without a solution) and the
+    solver's dual bound: only a proven optimum certifies its own objective; otherwise the dual
+    bound, when finite and not above the objective, is all that is known."""
+    proven = math.isfinite(dual) and dual <= objective * (1 + 1e-9) + 1e-12
+    bound = dual if proven else (objective if optimal else -math.inf)
+    if has_solution and math.isfinite(bound):
+        bound = min(bound, objective)
+        return bound, 0.0 if objective == 0 else max(0.0, (objective - bound) / abs(objective))
+    return bound, math.inf
+
+
 def highs_available() -> bool:
     return "HiGHS" in pulp.listSolvers(onlyAvailable=True)
 
@@ -231,25 +243,15 @@ def solve(
         pulp.LpSolutionIntegerFeasible,
     )
     objective = float(objective) if has_solution else math.inf
-    bound = -math.inf
     info = getattr(solver, "info", None)
     model_status = getattr(solver, "model_status", "")
     if info is not None:
         # only a proven optimum certifies its own objective; otherwise HiGHS's dual bound
         # (which is ±inf when the search never got that far) is all we know
         dual = float(info.mip_dual_bound) if problem.isMIP() else objective
-        proven = math.isfinite(dual) and dual <= objective * (1 + 1e-9) + 1e-12
-        if model_status == "Optimal":
-            bound = dual if proven else objective
-        else:
-            bound = dual if proven else -math.inf
-    elif pulp.LpStatus[status] == "Optimal":
-        bound = objective
-    if has_solution and math.isfinite(bound):
-        bound = min(bound, objective)
-        gap_value = 0.0 if objective == 0 else max(0.0, (objective - bound) / abs(objective))
+        bound, gap_value = certified(model_status == "Optimal", has_solution, objective, dual)
     else:
-        gap_value = math.inf
+        bound, gap_value = certified(pulp.LpStatus[status] == "Optimal", has_solution, objective, -math.inf)
     return SolveResult(
         solver=name,
         status=getattr(solver, "model_status", "") or pulp.LpStatus[status],

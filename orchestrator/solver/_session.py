@@ -14,7 +14,7 @@ import time
 
 import pulp
 
-from orchestrator.solver._highs import SolveResult, _banner_to_stderr, _interrupt_at, load_model
+from orchestrator.solver._highs import SolveResult, _banner_to_stderr, _interrupt_at, certified, load_model
 
 
 class HighsSession:
@@ -99,15 +99,7 @@ class HighsSession:
             for key, value in saved.items():
                 h.setOptionValue(key, value)
             h.clearSolver()
-        if status == "Optimal":
-            bound = objective if not math.isfinite(dual) or dual > objective else dual
-        else:
-            bound = dual if math.isfinite(dual) and dual <= objective * (1 + 1e-9) + 1e-12 else -math.inf
-        if has_solution and math.isfinite(bound):
-            bound = min(bound, objective)
-            gap_value = 0.0 if objective == 0 else max(0.0, (objective - bound) / abs(objective))
-        else:
-            gap_value = math.inf
+        bound, gap_value = certified(status == "Optimal", has_solution, objective, dual)
         return SolveResult(
             solver="HiGHS",
             status=status,
