@@ -8,8 +8,10 @@ Three families of cases, each a :class:`~orchestrator.bench._case.Case`-like dic
 * **communication** — per plan, the all-reduce bytes (and every other
   collective kind) in the compiled programs vs the cost model (tolerance 1%);
 * **timing** — every stage's forward + backward of one microbatch run alone
-  vs its prediction (15%), and measured vs simulated step time over several
-  tiny-GPT plans with Kendall's τ between them (target ≥ 0.8).
+  vs its prediction (15%): the cost model's device time, slowed as below, plus
+  the host's two dispatches and the buffers the two calls move (d and b below);
+  and measured vs simulated step time over several tiny-GPT plans with
+  Kendall's τ between them (target ≥ 0.8).
 
 Predictions use the cost model with this machine's profiled layer times. The
 cost model prices one device running alone; on the ``local`` cluster n
@@ -117,11 +119,14 @@ def _stage_costs(plan, su: Setup):
     return out
 
 
-def predicted_stage_seconds(plan, su: Setup) -> list[float]:
-    """Per stage: predicted forward + backward of one microbatch, run alone, with its k devices sharing the cores."""
+def predicted_stage_seconds(
+    plan, su: Setup, *, buffers: list[int] | None = None, buffer_s: float = 0.0, dispatch_s: float = 0.0
+) -> list[float]:
+    """Per stage: predicted forward + backward of one microbatch, run alone, with its k devices sharing
+    the cores, plus the host's part: two dispatches and ``buffers[s]`` device buffers taken and returned."""
     return [
-        (f + b) * max(1.0, len(stage.devices) / su.cores)
-        for stage, (f, b, _, _) in zip(plan.stages, _stage_costs(plan, su))
+        (f + b) * max(1.0, len(stage.devices) / su.cores) + 2 * dispatch_s + (buffers[s] if buffers else 0) * buffer_s
+        for s, (stage, (f, b, _, _)) in enumerate(zip(plan.stages, _stage_costs(plan, su)))
     ]
 
 
@@ -234,14 +239,15 @@ def measured_step_s(plans, su: Setup, *, rounds: int = 9, warmup: int = 2) -> li
     ]
 
 
-def measured_stage_seconds(plan, su: Setup, *, repeats: int = 7) -> list[float]:
-    """Per stage: measured forward + backward of one microbatch, run alone."""
+def measured_stage_seconds(plan, su: Setup, *, repeats: int = 7) -> tuple[list[float], list[int]]:
+    """Per stage: measured forward + backward of one microbatch, run alone, and the device buffers its
+    two calls take and return."""
     from integrations.flax._pipeline import Pipeline
     from integrations.flax._shard import shard
 
     placed = shard(plan, su.state, param_axes=su.axes, layers=su.layers)
     pipeline = Pipeline(plan, su.recipe.train_step, placed, layers=su.layers, param_axes=su.axes)
-    return pipeline.stage_seconds(placed, su.batch, repeats=repeats)
+    return pipeline.stage_seconds(placed, su.batch, repeats=repeats), pipeline.stage_buffers
 
 
 def kendall_tau(a, b) -> float:
@@ -312,12 +318,13 @@ def communication_cases(su: Setup, progress=None) -> list[dict]:
 def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES) -> list[dict]:
     name = su.recipe.name
     cases = []
+    dispatch_s, buffer_s = dispatch_overhead_s(), buffer_overhead_s()
     for plan_name in plans:
         if progress:
             progress(f"stage times {name} {plan_name}")
         plan = check_plan(plan_name, global_batch=su.batch["inputs"].shape[0])
-        measured = measured_stage_seconds(plan, su)
-        predicted = predicted_stage_seconds(plan, su)
+        measured, buffers = measured_stage_seconds(plan, su)
+        predicted = predicted_stage_seconds(plan, su, buffers=buffers, buffer_s=buffer_s, dispatch_s=dispatch_s)
         for s, (m, p) in enumerate(zip(measured, predicted)):
             err = m / p - 1
             cases.append(

@@ -509,6 +509,8 @@ class Pipeline:
 
         Stage s's inputs are real: earlier stages' forwards run first (untimed);
         cotangents are ones (the loss's is 1/M). Other stages idle meanwhile.
+        Afterwards ``self.stage_buffers[s]`` holds the device buffers the two calls
+        take and return (for the host's share of the time).
         """
         import statistics
         import time
@@ -525,6 +527,7 @@ class Pipeline:
         leaves = jax.tree.leaves(batch)
         acts: dict[tuple[int, object], jax.Array] = {}
         out = []
+        self.stage_buffers = []
         for s, (p, f) in enumerate(zip(programs, fns)):
             args = []
             for kind in p.inputs:
@@ -552,18 +555,23 @@ class Pipeline:
             ]
             shardings = [args[i].sharding for i in f["param_inputs"]]
 
-            def once(args=args, cts=cts, f=f, shardings=shardings):
+            def once(args=args, cts=cts, f=f, shardings=shardings, s=s):
                 acc = [self._zeros(args[i], sh, f["dp"]) for i, sh in zip(f["param_inputs"], shardings)]
                 jax.block_until_ready(acc)
                 start = time.perf_counter()
                 if f["recompute"]:
-                    f["forward"](args)
-                    result = f["backward"](args, cts, acc)
+                    forward = f["forward"](args)
+                    saved = args
                 else:
-                    _, vjp = f["forward"](args)
-                    result = f["backward"](vjp, cts, acc)
+                    forward = f["forward"](args)
+                    saved = forward[1]
+                result = f["backward"](saved, cts, acc)
                 jax.block_until_ready(result)
-                return time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                if len(self.stage_buffers) == s:  # each call's arguments and results
+                    counted = shard_count(args) + shard_count(forward) + shard_count((saved, cts, acc))
+                    self.stage_buffers.append(counted + shard_count(result))
+                return elapsed
 
             once()  # warm-up (compiles)
             out.append(statistics.median(once() for _ in range(repeats)))

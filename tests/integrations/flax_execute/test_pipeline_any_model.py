@@ -81,3 +81,9 @@ def test_residual_mlp_pipeline_matches_one_device():
     # out of its backward, are two shards a leaf
     assert step.buffers >= step.dispatches > 0
     assert step.buffers >= 2 * len(jax.tree.leaves(placed.params["inp"]))
+    # timing a stage alone also counts the buffers its two calls move: at least each parameter of the
+    # stage in the forward and, with its gradient, in and out of the backward, one shard per device
+    times = step.stage_seconds(placed, batch, repeats=1)
+    assert len(times) == len(step.stage_buffers) == 2 and min(times) > 0
+    first_stage_leaves = len(jax.tree.leaves(placed.params["inp"]))
+    assert step.stage_buffers[0] >= 2 * 3 * first_stage_leaves
