@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # HiGHS's MIP presolve spent 11.6 s on gpt2-small × mixed-a100-v100 at M = 8 (3,358 columns)
 # before its root LP, so a solve given a share of a 10 s budget ended with no bound at all;
-# without it the root bound comes first. Short solves (the first pass, the CBC-less whole
-# model) go without presolve; the second pass, with time for it, keeps HiGHS's default.
+# without it the root bound comes first. The first pass's short solves go without presolve;
+# the later rounds, with time for it, keep HiGHS's default.
 MIP_OPTIONS = {"presolve": "off"}
 # the first pass gives each (M, S) piece at most this long; what is left then goes to the open ones
 FIRST_PASS_S = 0.2
