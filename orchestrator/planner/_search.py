@@ -204,6 +204,18 @@ class _Piece:
     limit_s: float = 0.0  # the time limit of its last solve (a solve restarts from scratch)
 
 
+def _or_relaxation(result, sub: StageModel, relax):
+    """``result`` with the LP relaxation's bound (``relax()``, ms) when the search stopped before
+    a bound better than the solve-free one (none, or the root LP never finished); an infeasible
+    relaxation proves the MIP infeasible too."""
+    trivial = result.bound / MS <= sub.simple_bound_s()
+    if not trivial or result.status in ("Infeasible", "Optimal"):
+        return result
+    relaxed = relax()
+    status = "Infeasible" if relaxed == math.inf else result.status
+    return dataclasses.replace(result, bound=max(result.bound, relaxed), status=status)
+
+
 def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, options: dict | None = None):
     """Solve ``piece`` for better plans than ``best`` (score s, evaluation, stages, groups, M)
     (started from it when it has the piece's M and S); a search stopped before its root
@@ -217,11 +229,11 @@ def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, option
     result = piece.session.solve(
         columns=closed, rows=rows, time_limit_s=time_limit_s, gap=gap, cutoff=cutoff, use_start=warm, options=options
     )
-    trivial = result.bound / MS <= sub.simple_bound_s()  # none, or the root LP never finished
-    if trivial and result.status not in ("Infeasible", "Optimal"):
-        relaxed = piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=max(0.2, time_limit_s))
-        status = "Infeasible" if relaxed == math.inf else result.status
-        result = dataclasses.replace(result, bound=max(result.bound, relaxed), status=status)
+    result = _or_relaxation(
+        result,
+        sub,
+        lambda: piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=max(0.2, time_limit_s)),
+    )
     log.debug(
         "M=%d, %d stages: %s in %.2f s, objective %.6g ms, bound %.6g ms",
         sub.M,
@@ -241,12 +253,7 @@ def _whole(sub: StageModel, best, *, gap: float, deadline: float):
         # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
         sub.lp += sub.lp.objective <= best[0] * MS * (1 - 1e-9), "better_than_incumbent"
     result = solve(sub.lp, time_limit_s=max(0.2, deadline - time.perf_counter()), gap=gap, use_start=warm)
-    if not math.isfinite(result.bound) and result.status not in ("Infeasible", "Optimal"):
-        relaxed = _relaxation_bound(sub.lp, time_limit_s=0.5)
-        result = dataclasses.replace(
-            result, bound=relaxed, status="Infeasible" if relaxed == math.inf else result.status
-        )
-    return result
+    return _or_relaxation(result, sub, lambda: _relaxation_bound(sub.lp, time_limit_s=0.5))
 
 
 def plan(
