@@ -46,6 +46,7 @@ per replica by its producer.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -275,6 +276,7 @@ class Pipeline:
         self._built: dict[str, tuple] = {}
         self._record: list | None = None  # (stage, "forward" | "backward" | "update", jitted, args)
         self.dispatches = 0
+        self.dispatch_sizes: Counter[int] = Counter()  # this step's dispatches by the device count they go to
         # Observation for the executor bench: count the device buffers (one per shard) that the
         # step's calls and transfers take and return; the host's cost of a call grows with them.
         self.count_buffers = False
@@ -603,10 +605,12 @@ class Pipeline:
         micro, programs, fns = self._built[key]
         plan, n, m = self.plan, len(self.plan.stages), self.plan.microbatches
         self.dispatches = 0  # host → device calls this step: jitted programs and transfers
+        self.dispatch_sizes = Counter()
         self.buffers = 0
 
         def put(x, sharding, **kwargs):
             self.dispatches += 1
+            self.dispatch_sizes[len(sharding.device_set)] += 1
             out = jax.device_put(x, sharding, **kwargs) if kwargs else transfer(x, sharding)
             if self.count_buffers:
                 self.buffers += shard_count(out)
@@ -616,6 +620,7 @@ class Pipeline:
 
         def call(fn, *args, stage: int):
             self.dispatches += 1
+            self.dispatch_sizes[self.meshes[stage].devices.size] += 1
             if self.count_buffers:
                 out = fn(*args)
                 self.buffers += shard_count(args) + shard_count(out)

@@ -80,6 +80,8 @@ def test_residual_mlp_pipeline_matches_one_device():
     # every call and transfer moves at least one buffer; the first stage's parameters alone, in and
     # out of its backward, are two shards a leaf
     assert step.buffers >= step.dispatches > 0
+    # dispatches by the device count they go to: this plan's stages have 2 devices and 1
+    assert sum(step.dispatch_sizes.values()) == step.dispatches and set(step.dispatch_sizes) <= {1, 2}
     assert step.buffers >= 2 * len(jax.tree.leaves(placed.params["inp"]))
     # timing a stage alone also counts the buffers its two calls move: at least each parameter of the
     # stage in the forward and, with its gradient, in and out of the backward, one shard per device

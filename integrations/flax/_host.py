@@ -1,0 +1,148 @@
+"""What the host adds to a step on virtual CPU devices: dispatches, buffers, and shared cores.
+
+Three measurements on this machine, each a median over repeated runs:
+
+* **dispatch** d(k): one tiny jitted call on inputs already placed on a k-device
+  mesh, waited for. It depends on k: measured on the 2-core development machine,
+  5–6 µs on one device, 70–80 µs on 2 or 4 and 120–135 µs on 8 (a multi-device
+  program is launched on every device's thread and joined);
+* **buffer** b: host seconds per device buffer a call takes or returns (one
+  call over 64 arrays against one over a single array; 1.0–1.5 µs);
+* **blocking** β(k): the share of a multi-device program's run the dispatching
+  thread is held for (a chain of 512² matmuls on k devices: the call returns
+  after about a third of the run on 2 and 4 devices; on one device at once), so
+  a pipeline's host issues its next call only after β × the last one's time;
+* **slowdown** s(k): the workload (the user's jitted step on one device's copy
+  of state and batch) run on k devices at once, against one device alone. The
+  ``local`` cluster's devices share the host's c cores, but one device alone
+  already uses more than one core (XLA:CPU's intra-op threads), so s(k) is not
+  max(1, k/c): measured for tiny GPT, s = 1.6, 2.75 and 5.3 at k = 2, 4 and 8
+  with c = 2, where max(1, k/c) says 1, 2 and 4.
+
+A stage whose k devices run alone then takes s(k) × its single-device time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from itertools import pairwise
+
+import jax
+import numpy as np
+
+MESH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class HostCosts:
+    dispatch_s: dict[int, float]  # by mesh size
+    buffer_s: float
+    blocking: dict[int, float]  # by mesh size
+    slowdown: dict[int, float]  # by number of devices busy at once
+
+    def dispatch(self, devices: int) -> float:
+        """d(k), from the nearest measured mesh size at or above ``devices``."""
+        return self.dispatch_s[min((k for k in self.dispatch_s if k >= devices), default=max(self.dispatch_s))]
+
+    def blocked(self, devices: int) -> float:
+        """β(k), from the nearest measured mesh size at or above ``devices``."""
+        return self.blocking[min((k for k in self.blocking if k >= devices), default=max(self.blocking))]
+
+    def slow(self, devices: int) -> float:
+        """s(k), linear in k between measured counts (s(1) = 1), proportional beyond the last."""
+        points = sorted({1: 1.0, **self.slowdown}.items())
+        for (k0, s0), (k1, s1) in pairwise(points):
+            if devices <= k1:
+                return s0 + (s1 - s0) * (devices - k0) / (k1 - k0)
+        k, s = points[-1]
+        return s * devices / k
+
+
+def dispatch_seconds(devices: int, repeats: int = 100) -> float:
+    """Median host time of one tiny jitted call on inputs placed on ``devices`` devices, waited for."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    x = jax.device_put(np.zeros((devices, 8), np.float32), NamedSharding(mesh, P("data")))
+    fn = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def blocking_share(devices: int, n: int = 512, repeats: int = 20) -> float:
+    """β(k): the time a call of a chain of n × n matmuls on each of ``devices`` devices takes to
+    return, less d(k), over the time until its result is ready."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    x = jax.device_put(np.ones((devices * n, n), np.float32), NamedSharding(mesh, P("data")))
+    chain = jax.jit(lambda x: jax.vmap(lambda y: (y @ y) @ y)(x.reshape(devices, n, n)).reshape(devices * n, n))
+    jax.block_until_ready(chain(x))
+    issued, ready = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        y = chain(x)
+        issued.append(time.perf_counter() - start)
+        jax.block_until_ready(y)
+        ready.append(time.perf_counter() - start)
+    return min(1.0, max(0.0, (statistics.median(issued) - dispatch_seconds(devices)) / statistics.median(ready)))
+
+
+def buffer_seconds(repeats: int = 30) -> float:
+    """Host seconds per device buffer a call takes or returns: one jitted call over 64 arrays
+    against one over a single array, each on 2 devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from orchestrator.profile import median_seconds
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharding = NamedSharding(mesh, P())
+    fn = jax.jit(lambda *xs: [x + 1 for x in xs])
+
+    def seconds(n: int) -> float:
+        xs = [jax.device_put(np.zeros((8, 8), np.float32), sharding) for _ in range(n)]
+        return median_seconds(fn, *xs, repeats=repeats)
+
+    return max(0.0, (seconds(64) - seconds(1)) / (63 * 2 * 2))  # 63 more arrays, in and out, 2 shards each
+
+
+def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, float]:
+    """s(k) for each k in ``counts``: ``step(*args)`` jitted on each of k devices at once, its
+    own copy of the arguments on each, median wall time over the time of one device alone."""
+    counts = [k for k in counts if k <= len(jax.devices())]
+    jitted = jax.jit(step)
+    copies = [jax.device_put(args, device) for device in jax.devices()[: max(counts)]]
+
+    def seconds(k: int) -> float:
+        for _ in range(2):
+            jax.block_until_ready([jitted(*copies[i]) for i in range(k)])
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready([jitted(*copies[i]) for i in range(k)])
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    alone = seconds(1)
+    return {k: seconds(k) / alone for k in counts if k > 1}
+
+
+def measure_host_costs(step, *args) -> HostCosts:
+    """d(k) and β(k) for every mesh size up to the local device count, b, and s(k) for ``step(*args)``."""
+    sizes = [k for k in MESH_SIZES if k <= len(jax.devices())]
+    return HostCosts(
+        dispatch_s={k: dispatch_seconds(k) for k in sizes},
+        buffer_s=buffer_seconds(),
+        blocking={k: blocking_share(k) for k in sizes},
+        slowdown=slowdown(step, *args, counts=sizes),
+    )

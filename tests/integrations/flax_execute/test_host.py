@@ -1,0 +1,47 @@
+"""The host-cost model of the executor bench: lookups, and the measurements on the 8 virtual devices."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from integrations.flax._host import HostCosts, blocking_share, dispatch_seconds, slowdown
+
+
+def costs(**slowdown_by_k) -> HostCosts:
+    return HostCosts(
+        dispatch_s={1: 5e-6, 2: 70e-6, 8: 120e-6},
+        buffer_s=1e-6,
+        blocking={1: 0.0, 2: 0.4, 8: 0.8},
+        slowdown={int(k[1:]): v for k, v in slowdown_by_k.items()},
+    )
+
+
+def test_slowdown_is_interpolated_between_measured_counts_and_proportional_beyond():
+    host = costs(k2=1.5, k4=2.5, k8=5.0)
+    assert host.slow(1) == 1.0
+    assert host.slow(2) == 1.5
+    assert host.slow(3) == pytest.approx(2.0)
+    assert host.slow(6) == pytest.approx(3.75)
+    assert host.slow(16) == pytest.approx(10.0)
+
+
+def test_dispatch_and_blocking_take_the_next_measured_mesh_size():
+    host = costs(k2=1.5)
+    assert host.dispatch(1) == 5e-6
+    assert host.dispatch(4) == 120e-6  # no 4 measured: the next size up
+    assert host.dispatch(16) == 120e-6  # beyond the largest: the largest
+    assert host.blocked(2) == 0.4
+
+
+def test_eight_devices_on_the_shared_cores_run_slower_than_one_alone():
+    x = jnp.ones((256, 256), jnp.float32)
+    s = slowdown(lambda x: (x @ x) @ x, x, counts=(1, 2, 8), repeats=5)
+    assert set(s) == {2, 8}
+    # 8 devices share this machine's cores (CI: 2): all 8 at once cannot be as fast as one
+    assert s[8] > 1.5 and s[8] > s[2] * 1.2
+
+
+def test_measured_dispatch_and_blocking_are_plausible():
+    assert 0 < dispatch_seconds(1, repeats=20) < 5e-3
+    assert 0 <= blocking_share(2, n=128, repeats=5) <= 1
+    assert len(jax.devices()) >= 8
