@@ -34,11 +34,12 @@ def test_dispatch_and_blocking_take_the_next_measured_mesh_size():
 
 
 def test_eight_devices_on_the_shared_cores_run_slower_than_one_alone():
-    x = jnp.ones((256, 256), jnp.float32)
-    s = slowdown(lambda x: (x @ x) @ x, x, counts=(1, 2, 8), repeats=5)
+    x = jnp.ones((512, 512), jnp.float32)
+    s = slowdown(lambda x: (x @ x) @ x, x, counts=(1, 2, 8), repeats=7)
     assert set(s) == {2, 8}
-    # 8 devices share this machine's cores (CI: 2): all 8 at once cannot be as fast as one
-    assert s[8] > 1.5 and s[8] > s[2] * 1.2
+    # 8 devices share this machine's cores (CI: 2, and another test worker beside us): 8 times the work
+    # at once takes well over twice as long as once (a 256² chain, too small, once measured 1.46 on CI)
+    assert s[8] > 2 and s[8] > s[2]
 
 
 def test_measured_dispatch_and_blocking_are_plausible():
