@@ -8,7 +8,8 @@ Three families of cases, each a :class:`~orchestrator.bench._case.Case`-like dic
 * **communication** — per plan, the all-reduce bytes (and every other
   collective kind) in the compiled programs vs the cost model (tolerance 1%);
 * **timing** — every stage's forward + backward of one microbatch run alone
-  vs its prediction (15%): the cost model's device time, slowed as below, plus
+  (measured twice: the mean is compared, the difference reported as the
+  measurement's own noise) vs its prediction (15%): the cost model's device time, slowed as below, plus
   the host's two dispatches and the buffers the two calls move (d and b below);
   and measured vs simulated step time over several tiny-GPT plans with
   Kendall's τ between them (target ≥ 0.8).
@@ -300,9 +301,12 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES) -> list[dict]:
         if progress:
             progress(f"stage times {name} {plan_name}")
         plan = check_plan(plan_name, global_batch=su.batch["inputs"].shape[0])
-        measured, buffers = measured_stage_seconds(plan, su)
+        # measured twice, back to back: their mean is compared, their difference is the noise
+        first, buffers = measured_stage_seconds(plan, su)
+        second, _ = measured_stage_seconds(plan, su)
         predicted = predicted_stage_seconds(plan, su, buffers=buffers)
-        for s, (m, p) in enumerate(zip(measured, predicted)):
+        for s, (m1, m2, p) in enumerate(zip(first, second, predicted)):
+            m = (m1 + m2) / 2
             err = m / p - 1
             cases.append(
                 _case(
@@ -312,6 +316,7 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES) -> list[dict]:
                     predicted=p,
                     measured=m,
                     rel_err=err,
+                    repeat_rel_diff=abs(m1 - m2) / m,
                 )
             )
     return cases
