@@ -152,6 +152,7 @@ def price(plan, model):
             dp=stage.dp,
             microbatch_size=stage.microbatch_size,
             recompute=stage.recompute,
+            zero=stage.zero,
             accumulate_gradients=S > 1,
         )
         costs = [model.layer_cost(i, stage.device_type, config, tp_link=link, dp_link=link) for i in stage.layers]

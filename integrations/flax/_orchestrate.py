@@ -150,7 +150,7 @@ def orchestrate(
         the default policy, or a ``conductor.Policy``.
       profile: time the layers on the local device and use those times (``local`` cluster only).
       max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`.
-      zero: shard optimizer moments over data-parallel replicas.
+      zero: plan with ZeRO-1 and shard optimizer moments over data-parallel replicas.
       pipeline_options: keyword arguments for the pipeline executor of multi-stage plans (``timed``,
         ``slowdown``), kept for plans the run switches to.
 
@@ -186,7 +186,7 @@ def orchestrate(
     if plan is None:
         from orchestrator.planner import plan as make_plan
 
-        plan = make_plan(model, global_batch=global_batch, max_stages=max_stages, time_limit_s=time_limit_s)
+        plan = make_plan(model, global_batch=global_batch, max_stages=max_stages, time_limit_s=time_limit_s, zero=zero)
     placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero)
     options = dict(pipeline_options or {})
     step_fn = compile_step(

@@ -161,7 +161,7 @@ def state_shardings(
       param_axes: logical axis names by parameter path (``Recipe.param_axes()``); none → TP shards nothing.
       owners: parameter path → stage; required when the plan has several stages.
       cluster: resolves device refs (:func:`device_map`).
-      zero: shard optimizer moments over ``"data"`` too.
+      zero: shard optimizer moments over ``"data"`` too (a stage whose plan says ``zero`` does anyway).
 
     Raises:
       ValueError: a multi-stage plan without ``owners``, or a parameter no stage owns.
@@ -185,7 +185,7 @@ def state_shardings(
         s = owner_of(name)
         stage = plan.stages[s]
         spec = param_spec(shape, param_axes.get(name), stage.tp, tp_axes)
-        if moment and zero and stage.dp > 1:
+        if moment and (zero or stage.zero) and stage.dp > 1:
             spec = _zero_spec(spec, shape, stage.dp)
         return NamedSharding(meshes[s], spec)
 
@@ -218,7 +218,8 @@ def shard(plan, state, *, param_axes=None, layers=None, cluster=None, zero: bool
       param_axes: logical axis names by parameter path; enables tensor parallelism.
       layers: the coarsened layers the plan's stages index (needed for several stages).
       cluster: the cluster the plan was made for (resolves device refs).
-      zero: ZeRO-1 — optimizer moments also split over ``"data"``.
+      zero: ZeRO-1 — optimizer moments also split over ``"data"`` (on every stage; a stage whose
+        plan says ``zero`` is split without it).
 
     Returns:
       The same pytree with every leaf a ``jax.Array`` carrying its ``NamedSharding``.

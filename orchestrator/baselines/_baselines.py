@@ -82,10 +82,19 @@ def _speed(model: CostModel, space, device_type: str, microbatches: int) -> floa
 
 class _Search:
     def __init__(
-        self, model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space=None, deadline=None
+        self,
+        model,
+        global_batch,
+        schedule,
+        microbatch_candidates,
+        max_stages,
+        recompute,
+        space=None,
+        deadline=None,
+        zero=False,
     ):
         self.model, self.schedule, self.deadline = model, schedule, deadline
-        self.space = space or search_space(model, global_batch, recompute=recompute)
+        self.space = space or search_space(model, global_batch, recompute=recompute, zero=zero)
         self.candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
         self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
 
@@ -148,11 +157,12 @@ def uniform(
     microbatch_candidates=DEFAULT_MICROBATCHES,
     max_stages=None,
     recompute=True,
+    zero=False,
     space=None,
     stage_counts=None,
     deadline=None,
 ):
-    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline)
+    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline, zero)
 
     def propose(S, M, blocks):
         split = equal_split(search.space.layers, S)
@@ -169,11 +179,12 @@ def alpa(
     microbatch_candidates=DEFAULT_MICROBATCHES,
     max_stages=None,
     recompute=True,
+    zero=False,
     space=None,
     stage_counts=None,
     deadline=None,
 ):
-    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline)
+    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline, zero)
 
     def propose(S, M, blocks):
         split = search.reference_split(blocks, M, tp=True)
@@ -190,11 +201,12 @@ def pipedream(
     microbatch_candidates=DEFAULT_MICROBATCHES,
     max_stages=None,
     recompute=True,
+    zero=False,
     space=None,
     stage_counts=None,
     deadline=None,
 ):
-    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline)
+    search = _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline, zero)
 
     def propose(S, M, blocks):
         split = search.reference_split(blocks, M, tp=False)
@@ -211,12 +223,13 @@ def greedy(
     microbatch_candidates=DEFAULT_MICROBATCHES,
     max_stages=None,
     recompute=True,
+    zero=False,
     space=None,
     stage_counts=None,
     deadline=None,
 ):
     search, best = (
-        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
+        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline, zero),
         None,
     )
     space, L = search.space, search.space.layers
@@ -248,7 +261,14 @@ def greedy(
 
 
 def exhaustive(
-    model, *, global_batch, schedule="1f1b", microbatch_candidates=DEFAULT_MICROBATCHES, max_stages=None, recompute=True
+    model,
+    *,
+    global_batch,
+    schedule="1f1b",
+    microbatch_candidates=DEFAULT_MICROBATCHES,
+    max_stages=None,
+    recompute=True,
+    zero=False,
 ):
     """The exact optimum by enumeration (only for tiny instances)."""
     ev = exhaustive_plan(
@@ -258,6 +278,7 @@ def exhaustive(
         microbatch_candidates=microbatch_candidates,
         max_stages=max_stages,
         recompute=recompute,
+        zero=zero,
     )
     return None if ev is None else BaselinePlan("exhaustive", [], [], 0, ev)
 
@@ -270,6 +291,7 @@ def balanced(
     microbatch_candidates=DEFAULT_MICROBATCHES,
     max_stages=None,
     recompute=True,
+    zero=False,
     stage_counts=None,
     space=None,
     deadline=None,
@@ -277,7 +299,7 @@ def balanced(
     """Not a baseline: our own fast heuristic (true costs, speed-ordered blocks, bottleneck DP),
     used as the ILP's starting incumbent."""
     search, best = (
-        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline),
+        _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline, zero),
         None,
     )
     space = search.space

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 
 from orchestrator.cluster import Cluster, Link, parse_cluster
-from orchestrator.costs import LayerCost, ParallelConfig, all_reduce_s
+from orchestrator.costs import LayerCost, ParallelConfig, all_gather_s, all_reduce_s, reduce_scatter_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +56,23 @@ class SyntheticCosts:
         tp_bytes = layer.output_per_sample * m if t > 1 else 0.0
         tp_forward, tp_backward = tp_bytes, tp_bytes * (2 if config.recompute else 1)
         params = layer.param_bytes / t
+        shards = config.dp if config.zero else 1  # ZeRO-1: optimizer state and update split over replicas
+        sync = (
+            reduce_scatter_s(params, config.dp, dp_link) + all_gather_s(params, config.dp, dp_link)
+            if config.zero
+            else all_reduce_s(params, config.dp, dp_link)
+        )
         return LayerCost(
             forward_s=forward,
             backward_s=backward,
-            optimizer_s=4 * params / kind.memory_bandwidth_bytes_per_s,
+            optimizer_s=4 * params / kind.memory_bandwidth_bytes_per_s / shards,
             tp_comm_s=all_reduce_s(tp_forward, t, tp_link) + all_reduce_s(tp_backward, t, tp_link),
-            dp_sync_s=all_reduce_s(params, config.dp, dp_link),
+            dp_sync_s=sync,
             tp_allreduce_bytes=tp_forward + tp_backward,
             dp_sync_bytes=params if config.dp > 1 else 0.0,
             param_bytes=params,
             grad_bytes=params,
-            optimizer_bytes=2 * params,
+            optimizer_bytes=2 * params / shards,
             activation_bytes=(layer.output_per_sample * m) if config.recompute else layer.activation_per_sample * m / t,
             transient_bytes=layer.output_per_sample * m,
             output_activation_bytes=layer.output_per_sample * m,

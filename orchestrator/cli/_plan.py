@@ -21,6 +21,9 @@ def plan_command(
     schedule: Annotated[str, typer.Option(help="1f1b or gpipe.")] = "1f1b",
     max_stages: Annotated[int, typer.Option(min=1, help="Largest number of pipeline stages to consider.")] = 4,
     time_limit_s: Annotated[float, typer.Option(min=0.1, help="Solver time budget.")] = 60.0,
+    zero: Annotated[
+        bool, typer.Option(help="ZeRO-1: shard optimizer state over each stage's data-parallel replicas.")
+    ] = False,
     output: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
     trace: Annotated[
         str | None, typer.Option("--trace", help="Simulate the plan and write a Perfetto trace (JSON) here.")
@@ -52,7 +55,12 @@ def plan_command(
         model = CostModel(graph, layers, spec_cluster, batch_size=capture_batch, param_axes=spec.param_axes())
         try:
             result = plan(
-                model, global_batch=batch, schedule=schedule, max_stages=max_stages, time_limit_s=time_limit_s
+                model,
+                global_batch=batch,
+                schedule=schedule,
+                max_stages=max_stages,
+                time_limit_s=time_limit_s,
+                zero=zero,
             )
         except (PlanInfeasible, PlanNotFound) as error:
             fail(str(error))

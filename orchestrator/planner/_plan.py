@@ -30,6 +30,7 @@ class Stage:
         replica r is ``devices[r·tp:(r+1)·tp]``, one tensor-parallel group inside one host.
       tp, dp: tensor- and data-parallel degrees.
       recompute: whether it recomputes its forward pass in the backward pass.
+      zero: whether its optimizer state is sharded over its data-parallel replicas (ZeRO-1).
       microbatch_size: samples per microbatch on each data-parallel replica.
       time_s: seconds per microbatch: forward + backward (compute and TP
         communication) + sending the activation to the next stage and
@@ -57,6 +58,7 @@ class Stage:
     send_s: float = 0.0
     dp_sync_s: float = 0.0
     optimizer_s: float = 0.0
+    zero: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -219,6 +219,7 @@ def replan(
         "max_stages": max_stages,
         "gap": gap,
         "recompute": recompute,
+        "zero": any(stage.zero for stage in previous.stages),  # the new plan trains as the old one did
     }
     key = fingerprint(
         model,
@@ -232,7 +233,7 @@ def replan(
     )
     if key in _CACHE:
         return _CACHE[key]
-    space = search_space(model, settings["global_batch"], recompute=recompute)
+    space = search_space(model, settings["global_batch"], recompute=recompute, zero=settings["zero"])
     migration = Migration.from_plan(previous, model, space.links, horizon_steps) if horizon_steps else None
     repaired = _repair(previous, model, space, settings, max(0.2, time_limit_s / 4), migration)
     alive = {d.ref for d in model.cluster.devices()}

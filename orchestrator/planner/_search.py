@@ -66,13 +66,13 @@ class SearchSpace:
     layers: int
 
 
-def search_space(model: CostModel, global_batch: int, *, recompute: bool) -> SearchSpace:
+def search_space(model: CostModel, global_batch: int, *, recompute: bool, zero: bool = False) -> SearchSpace:
     infos = type_infos(model.cluster)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     return SearchSpace(
         infos=infos,
         groups=group_configs(infos, recompute=recompute, tensor_parallel=model.tensor_parallel),
-        table=CostTable(model, infos, global_batch),
+        table=CostTable(model, infos, global_batch, zero=zero),
         links=pair_links(model.cluster, infos),
         runs=layer_runs(keys),
         layers=len(model.layers),
@@ -269,6 +269,7 @@ def plan(
     start: tuple[list[list[int]], list[GroupConfig], int] | None = None,
     prefer_devices: list[tuple[str, ...] | None] | None = None,
     migration: Migration | None = None,
+    zero: bool = False,
 ) -> Plan:
     """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
 
@@ -297,6 +298,10 @@ def plan(
       migration: when re-planning, the cost of moving state off the previous plan's surviving
         stages, amortised per step and added to the objective (``_migration``); the plan's
         ``objective`` then includes it, its ``iteration_s`` does not.
+      zero: plan with ZeRO-1: every stage with data parallelism shards its optimizer state
+        over its replicas (less memory, and the update split; its gradient sync becomes a
+        reduce-scatter and an all-gather, in the ring model the cost of the all-reduce it
+        replaces). Off by default, as in the executor; the stages record it (``Stage.zero``).
 
     Raises:
       PlanInfeasible: no plan fits (proven); the message names the binding constraint and
@@ -310,7 +315,7 @@ def plan(
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     started = time.perf_counter()
     cluster = model.cluster
-    space = search_space(model, global_batch, recompute=recompute)
+    space = search_space(model, global_batch, recompute=recompute, zero=zero)
     L = space.layers
     max_stages = min(max_stages or 16, L, len(cluster.devices()))
     candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
@@ -491,6 +496,7 @@ def make_plan(
             tp=g.tp,
             dp=g.dp,
             recompute=g.recompute,
+            zero=space.table.zero and g.dp > 1,
             microbatch_size=space.table.microbatch(g, M),
             time_s=ev.stage_time_s[s],
             memory_bytes=ev.stage_memory_bytes[s],

@@ -22,10 +22,11 @@ class Entry:
 
 
 class CostTable:
-    """Lazily filled table of :class:`Entry` by (layer, group, M)."""
+    """Lazily filled table of :class:`Entry` by (layer, group, M). With ``zero``, every group with
+    data parallelism shards its optimizer state over its replicas (ZeRO-1)."""
 
-    def __init__(self, model: CostModel, infos: dict[str, TypeInfo], global_batch: int):
-        self.model, self.infos, self.global_batch = model, infos, global_batch
+    def __init__(self, model: CostModel, infos: dict[str, TypeInfo], global_batch: int, *, zero: bool = False):
+        self.model, self.infos, self.global_batch, self.zero = model, infos, global_batch, zero
         self._entries: dict = {}
         # identical layers (same signature and output size) share every entry
         first: dict = {}
@@ -48,7 +49,9 @@ class CostTable:
             m = self.microbatch(group, microbatches)
             info = self.infos[group.device_type]
             tp_link, dp_link = group_links(group, info)
-            config = ParallelConfig(tp=group.tp, dp=group.dp, microbatch_size=m, recompute=group.recompute)
+            config = ParallelConfig(
+                tp=group.tp, dp=group.dp, microbatch_size=m, recompute=group.recompute, zero=self.zero and group.dp > 1
+            )
             cost = self.model.layer_cost(layer, group.device_type, config, tp_link=tp_link, dp_link=dp_link)
             tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)
             self._entries[key] = Entry(

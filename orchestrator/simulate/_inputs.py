@@ -186,7 +186,9 @@ def _layer_costs(plan: Plan, st: Stage, model):
     from orchestrator.costs import ParallelConfig, all_reduce_s
 
     tp_link, dp_link = _links(st, model)
-    config = ParallelConfig(tp=st.tp, dp=st.dp, microbatch_size=st.microbatch_size, recompute=st.recompute)
+    config = ParallelConfig(
+        tp=st.tp, dp=st.dp, microbatch_size=st.microbatch_size, recompute=st.recompute, zero=st.zero
+    )
     costs = [model.layer_cost(layer, st.device_type, config, tp_link=tp_link, dp_link=dp_link) for layer in st.layers]
     backward = []
     for cost in costs:
