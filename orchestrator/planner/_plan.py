@@ -131,7 +131,7 @@ class Plan:
                 f"{s.layers[0]}–{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
                 f"{len(s.devices)} × {s.device_type}",
                 str(s.tp),
-                str(s.dp),
+                f"{s.dp} (ZeRO)" if s.zero else str(s.dp),
                 "yes" if s.recompute else "no",
                 str(s.microbatch_size),
                 f"{s.time_s * 1e3:.2f} ms{marker}",
