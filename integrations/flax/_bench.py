@@ -17,9 +17,9 @@ Three families of cases, each a :class:`~orchestrator.bench._case.Case`-like dic
 Predictions use the cost model with this machine's profiled layer times. The
 cost model prices one device running alone; on the ``local`` cluster n virtual
 devices share c cores, and the host's own costs are measured once per run
-(``_host``): the slowdown s(k) of k devices busy at once (the recipe's step on
-k devices against one; one device alone already uses more than one core, so
-s is not max(1, k/c)), the dispatch d(k) of a call to k devices, the host time
+(``_host``): the slowdown s(k) of k devices busy at once (the recipe's forward
+and backward on k devices against one; one device alone already uses more than
+one core, so s is not max(1, k/c)), the dispatch d(k) of a call to k devices, the host time
 b per device buffer a call moves, and the share β(k) of a multi-device call's
 run the dispatching thread is held for. A stage alone is predicted as
 

@@ -1,23 +1,24 @@
 """What the host adds to a step on virtual CPU devices: dispatches, buffers, and shared cores.
 
-Three measurements on this machine, each a median over repeated runs:
+Four measurements on this machine, each a median over repeated runs (the ranges below are
+what session 8 saw on the 2-core development machine):
 
 * **dispatch** d(k): one tiny jitted call on inputs already placed on a k-device
-  mesh, waited for. It depends on k: measured on the 2-core development machine,
-  5–6 µs on one device, 70–80 µs on 2 or 4 and 120–135 µs on 8 (a multi-device
-  program is launched on every device's thread and joined);
+  mesh, waited for. It depends on k: 5–9 µs on one device, 57–135 µs on 2, 4
+  or 8 (a multi-device program is launched on every device's thread and joined);
 * **buffer** b: host seconds per device buffer a call takes or returns (one
-  call over 64 arrays against one over a single array; 1.0–1.5 µs);
+  call over 64 arrays against one over a single array; 0.8–1.5 µs);
 * **blocking** β(k): the share of a multi-device program's run the dispatching
-  thread is held for (a chain of 512² matmuls on k devices: the call returns
-  after about a third of the run on 2 and 4 devices; on one device at once), so
-  a pipeline's host issues its next call only after β × the last one's time;
-* **slowdown** s(k): the workload (the user's jitted step on one device's copy
-  of state and batch) run on k devices at once, against one device alone. The
-  ``local`` cluster's devices share the host's c cores, but one device alone
-  already uses more than one core (XLA:CPU's intra-op threads), so s(k) is not
-  max(1, k/c): measured for tiny GPT, s = 1.6, 2.75 and 5.3 at k = 2, 4 and 8
-  with c = 2, where max(1, k/c) says 1, 2 and 4.
+  thread is held for, beyond d(k) (a chain of 512² matmuls on k devices: 0.5–0.8
+  of the run on 2, 4 and 8 devices, 0.01–0.03 on one), so a pipeline's host
+  issues its next call only after β × the last one's time;
+* **slowdown** s(k): a workload (the bench gives the recipe's forward and
+  backward) run on k devices at once, each on its own copy of the arguments,
+  against one device alone. The ``local`` cluster's devices share the host's c
+  cores, but one device alone already uses more than one core (XLA:CPU's
+  intra-op threads), so s(k) is not max(1, k/c): measured for tiny GPT's forward
+  and backward at batch 16 × 64, s = 1.3–1.6, 2.2–2.8 and 4.3–5.2 at k = 2, 4
+  and 8 with c = 2, where max(1, k/c) says 1, 2 and 4.
 
 A stage whose k devices run alone then takes s(k) × its single-device time.
 """
