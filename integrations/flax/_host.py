@@ -45,11 +45,11 @@ class HostCosts:
 
     def dispatch(self, devices: int) -> float:
         """d(k), from the nearest measured mesh size at or above ``devices``."""
-        return self.dispatch_s[min((k for k in self.dispatch_s if k >= devices), default=max(self.dispatch_s))]
+        return _at_or_above(self.dispatch_s, devices)
 
     def blocked(self, devices: int) -> float:
         """β(k), from the nearest measured mesh size at or above ``devices``."""
-        return self.blocking[min((k for k in self.blocking if k >= devices), default=max(self.blocking))]
+        return _at_or_above(self.blocking, devices)
 
     def slow(self, devices: int) -> float:
         """s(k), linear in k between measured counts (s(1) = 1), proportional beyond the last."""
@@ -61,31 +61,31 @@ class HostCosts:
         return s * devices / k
 
 
+def _at_or_above(by_size: dict[int, float], devices: int) -> float:
+    """The entry of the smallest measured size ≥ ``devices`` (the largest beyond them all)."""
+    return by_size[min((k for k in by_size if k >= devices), default=max(by_size))]
+
+
+def _placed(devices: int, rows: int, cols: int, fill: float) -> jax.Array:
+    """A (devices · rows, cols) array split over the first ``devices`` devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    return jax.device_put(np.full((devices * rows, cols), fill, np.float32), NamedSharding(mesh, P("data")))
+
+
 def dispatch_seconds(devices: int, repeats: int = 100) -> float:
-    """Median host time of one tiny jitted call on inputs placed on ``devices`` devices, waited for."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    """d(k): median host time of one tiny jitted call on inputs placed on ``devices`` devices, waited for."""
+    from orchestrator.profile import median_seconds
 
-    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-    x = jax.device_put(np.zeros((devices, 8), np.float32), NamedSharding(mesh, P("data")))
-    fn = jax.jit(lambda x: x + 1)
-    jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(jax.jit(lambda x: x + 1), _placed(devices, 1, 8, 0.0), repeats=repeats)
 
 
-def blocking_share(devices: int, n: int = 512, repeats: int = 20) -> float:
+def blocking_share(devices: int, dispatch_s: float, n: int = 512, repeats: int = 20) -> float:
     """β(k): the time a call of a chain of n × n matmuls on each of ``devices`` devices takes to
-    return, less d(k), over the time until its result is ready."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-    x = jax.device_put(np.ones((devices * n, n), np.float32), NamedSharding(mesh, P("data")))
+    return, less ``dispatch_s`` (d(k)), over the time until its result is ready."""
+    x = _placed(devices, n, n, 1.0)
     chain = jax.jit(lambda x: jax.vmap(lambda y: (y @ y) @ y)(x.reshape(devices, n, n)).reshape(devices * n, n))
     jax.block_until_ready(chain(x))
     issued, ready = [], []
@@ -95,7 +95,7 @@ def blocking_share(devices: int, n: int = 512, repeats: int = 20) -> float:
         issued.append(time.perf_counter() - start)
         jax.block_until_ready(y)
         ready.append(time.perf_counter() - start)
-    return min(1.0, max(0.0, (statistics.median(issued) - dispatch_seconds(devices)) / statistics.median(ready)))
+    return min(1.0, max(0.0, (statistics.median(issued) - dispatch_s) / statistics.median(ready)))
 
 
 def buffer_seconds(repeats: int = 30) -> float:
@@ -120,19 +120,14 @@ def buffer_seconds(repeats: int = 30) -> float:
 def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, float]:
     """s(k) for each k in ``counts``: ``step(*args)`` jitted on each of k devices at once, its
     own copy of the arguments on each, median wall time over the time of one device alone."""
+    from orchestrator.profile import median_seconds
+
     counts = [k for k in counts if k <= len(jax.devices())]
     jitted = jax.jit(step)
     copies = [jax.device_put(args, device) for device in jax.devices()[: max(counts)]]
 
     def seconds(k: int) -> float:
-        for _ in range(2):
-            jax.block_until_ready([jitted(*copies[i]) for i in range(k)])
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready([jitted(*copies[i]) for i in range(k)])
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_seconds(lambda: [jitted(*copy) for copy in copies[:k]], repeats=repeats, warmup=2)
 
     alone = seconds(1)
     return {k: seconds(k) / alone for k in counts if k > 1}
@@ -141,9 +136,10 @@ def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, floa
 def measure_host_costs(step, *args) -> HostCosts:
     """d(k) and β(k) for every mesh size up to the local device count, b, and s(k) for ``step(*args)``."""
     sizes = [k for k in MESH_SIZES if k <= len(jax.devices())]
+    dispatch_s = {k: dispatch_seconds(k) for k in sizes}
     return HostCosts(
-        dispatch_s={k: dispatch_seconds(k) for k in sizes},
+        dispatch_s=dispatch_s,
         buffer_s=buffer_seconds(),
-        blocking={k: blocking_share(k) for k in sizes},
+        blocking={k: blocking_share(k, dispatch_s[k]) for k in sizes},
         slowdown=slowdown(step, *args, counts=sizes),
     )
