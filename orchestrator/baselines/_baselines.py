@@ -309,16 +309,19 @@ def balanced(
             if search.expired():
                 break
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
-            order = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
-            options = [[StageCosts(space, g, M) for g in configs_for(space, t, n, M)] for t, n in order]
+            fastest_first = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
+            for order in (fastest_first, fastest_first[::-1]):
+                options = [[StageCosts(space, g, M) for g in configs_for(space, t, n, M)] for t, n in order]
 
-            def time_s(s, i, k, options=options, M=M, S=S):
-                found = best_config(options[s], i, k, in_flight(schedule, M, S, s))
-                return found.time_s(i, k) if found else float("inf")
+                def time_s(s, i, k, options=options, M=M, S=S):
+                    found = best_config(options[s], i, k, in_flight(schedule, M, S, s))
+                    return found.time_s(i, k) if found else float("inf")
 
-            split = min_bottleneck_split(space.layers, S, time_s)
-            groups = configure(space, order, split, M, schedule) if split else None
-            best = search.score("balanced", split, groups, M, best)
+                split = min_bottleneck_split(space.layers, S, time_s)
+                groups = configure(space, order, split, M, schedule) if split else None
+                best = search.score("balanced", split, groups, M, best)
+                if fastest_first == fastest_first[::-1]:
+                    break
     return best
 
 

@@ -1,0 +1,225 @@
+"""A lower bound on the step time from packing layers into stages, solve-free of the ILP.
+
+The ILP's own LP relaxation is weak where memory binds: there a stage's compute is
+``Σ_g τ·y[g]`` over fractions of groups, and a fraction of a big, fast group holds a
+fraction of its layers at full speed. The *perspective* rows below scale both the memory and
+the compute a group may take by how much of it is used — exact for one group per stage, and
+much tighter in the LP — but compute against a bottleneck T makes them bilinear (T·n), so T is
+fixed and found by bisection.
+
+For M microbatches, at most S stages and a bottleneck T (per microbatch), with positions
+p = 0..S−1 counted from the end of the pipeline (k_p = min(M, p + 1) microbatches in flight
+under 1F1B, M under GPipe), let n[g,p] ∈ [0,1] be the share of position p on group g and
+x[r,g,p] ≥ 0 the layers of run r it holds. A plan whose slowest stage computes at most T per
+microbatch exists only if this LP is feasible:
+
+    Σ_{g,p} x[r,g,p] = n_r                                     every layer placed
+    Σ_g n[g,p] ≤ 1                                             one group per position
+    Σ_r τ[r,g]·x[r,g,p] ≤ T·n[g,p]                             compute within T
+    Σ_r (σ[r,g] + α[r,g]·k_p)·x[r,g,p] ≤ (mem_g − ρ_g)·n[g,p]  memory (ρ_g: the least transient)
+    x[r,g,p] ≤ f[r,g,p]·n[g,p],  f = (mem_g − ρ[r,g]) / (σ + α·k_p)   what fits beside its transient
+    Σ_{p, g of type t} size_g·n[g,p] ≤ N_t                     devices
+
+(τ time, σ static, α activation and ρ transient memory of one layer per device, from the
+same :class:`CostTable` the ILP reads.) Every schedule row of the closed form gives
+step ≥ M·c_s for every stage s (``_closed_form``: 1F1B E_s ≥ U^f_s + M·c_s; GPipe's two flow
+shops likewise), so the bound is M·T* with T* the least feasible T. The LP has no order, link
+or sync rows, so it is a relaxation of every plan with at most S stages: its bound holds for
+each of the ILP's pieces with S stages or fewer (more positions only loosen it).
+
+Measured on GPT-175B × ``mixed-4type-512`` with ZeRO-1 (session 9): 343–868 s over the
+microbatch counts against the 150 s capacity bound, each in well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from orchestrator.planner._groups import GroupConfig, TypeInfo
+from orchestrator.planner._ilp import Run, in_flight
+from orchestrator.planner._table import CostTable
+
+# bisection stops when the bracket's ends are this close (relative): a tenth of the planner's
+# default gap
+TOLERANCE = 1e-4
+
+
+class _BottleneckLP:
+    """The LP above for one stage count, loaded into HiGHS once; :meth:`feasible` changes only
+    the compute rows' coefficients (τ/T, rows divided by T) so each solve starts from the last
+    basis."""
+
+    def __init__(self, bound: PackingBound, stages: int):
+        import highspy
+
+        from orchestrator.solver._highs import _banner_to_stderr
+
+        buckets = bound.buckets(stages)
+        R, G, P = len(bound.runs), len(bound.groups), len(buckets)
+        x = np.arange(R * G * P).reshape(R, G, P)  # column of x[r, g, p]
+        n = R * G * P + np.arange(G * P).reshape(G, P)  # column of n[g, p]
+        columns = R * G * P + G * P
+        rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
+        self.compute_cells: list[tuple[int, int, float]] = []  # (row, column, τ): coefficient τ/T
+        for g in range(G):
+            memory = bound.memory[g]
+            least_transient = bound.transient[:, g].min()
+            for p, (_, k) in enumerate(buckets):
+                held = bound.static[:, g] + bound.activation[:, g] * k
+                self.compute_cells += [(len(rows), int(x[r, g, p]), float(bound.time[r, g])) for r in range(R)]
+                rows.append((np.r_[x[:, g, p], n[g, p]], np.r_[np.ones(R), -1.0], -math.inf, 0.0))
+                # memory in units of the device's memory
+                rows.append(
+                    (np.r_[x[:, g, p], n[g, p]], np.r_[held / memory, -(1 - least_transient / memory)], -math.inf, 0.0)
+                )
+                for r, run in enumerate(bound.runs):
+                    fits = min(float(run.count), max(0.0, (memory - bound.transient[r, g]) / held[r]))
+                    rows.append((np.array([x[r, g, p], n[g, p]]), np.array([1.0, -fits]), -math.inf, 0.0))
+        for p, (positions, _) in enumerate(buckets):
+            rows.append((n[:, p], np.ones(G), -math.inf, float(positions)))
+        # the fill: Z ≥ (compute upstream of bucket p) + M·(compute of bucket p)/(its width)
+        step = columns
+        times = np.tile(bound.time[:, :, None], (1, 1, P))  # τ of x[r, g, p]
+        for p, (positions, _) in enumerate(buckets):
+            upstream, own = x[:, :, p + 1 :].ravel(), x[:, :, p].ravel()
+            rows.append(
+                (
+                    np.r_[step, upstream, own],
+                    np.r_[1.0, -times[:, :, p + 1 :].ravel(), -bound.M / positions * times[:, :, p].ravel()],
+                    0.0,
+                    math.inf,
+                )
+            )
+        columns += 1
+        for t, info in bound.infos.items():
+            mine = [g for g in range(G) if bound.groups[g].device_type == t]
+            if mine:
+                sizes = np.repeat([float(bound.groups[g].size) for g in mine], P)
+                rows.append((n[mine, :].ravel(), sizes, -math.inf, float(info.devices)))
+        for r, run in enumerate(bound.runs):
+            rows.append((x[r].ravel(), np.ones(G * P), float(run.count), float(run.count)))
+
+        inf = highspy.kHighsInf
+        with _banner_to_stderr():
+            self.highs = highspy.Highs()
+        self.highs.setOptionValue("output_flag", False)
+        self.highs.setOptionValue("threads", 1)
+        empty = np.zeros(0, dtype=np.int32)
+        cost = np.zeros(columns)
+        cost[step] = 1.0
+        self.highs.addCols(columns, cost, np.zeros(columns), np.full(columns, inf), 0, empty, empty, [])
+        starts = np.cumsum([0] + [len(cols) for cols, *_ in rows[:-1]]).astype(np.int32)
+        self.highs.addRows(
+            len(rows),
+            np.array([max(lo, -inf) for *_, lo, _ in rows]),
+            np.array([min(hi, inf) for *_, hi in rows]),
+            int(sum(len(cols) for cols, *_ in rows)),
+            starts,
+            np.concatenate([cols for cols, *_ in rows]).astype(np.int32),
+            np.concatenate([vals for _, vals, *_ in rows]).astype(np.float64),
+        )
+
+    def least_step_s(self, bottleneck_s: float) -> float:
+        """The least Z with every stage computing within ``bottleneck_s``: +inf when infeasible,
+        0 when HiGHS ends undecided (still a bound)."""
+        import highspy
+
+        for row, column, time_s in self.compute_cells:
+            self.highs.changeCoeff(row, column, time_s / bottleneck_s)
+        self.highs.run()
+        status = self.highs.getModelStatus()
+        if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
+            # a warm start can end undecided (kUnknown after a large change of T): solve afresh
+            self.highs.clearSolver()
+            self.highs.run()
+            status = self.highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return math.inf
+        return self.highs.getInfo().objective_function_value if status == highspy.HighsModelStatus.kOptimal else 0.0
+
+
+class PackingBound:
+    """The bound above for one microbatch count, any stage count up to ``max_stages``."""
+
+    def __init__(
+        self,
+        runs: list[Run],
+        groups: list[GroupConfig],
+        table: CostTable,
+        infos: dict[str, TypeInfo],
+        *,
+        microbatches: int,
+        max_stages: int,
+        schedule: str,
+    ):
+        self.runs, self.groups, self.infos, self.M, self.J = runs, groups, infos, microbatches, max_stages
+        entries = [[table.entry(run.first, g, microbatches) for g in groups] for run in runs]
+        self.time = np.array([[e.time_s for e in row] for row in entries]).reshape(len(runs), len(groups))
+        self.static = np.array([[e.static_bytes for e in row] for row in entries]).reshape(self.time.shape)
+        self.activation = np.array([[e.activation_bytes for e in row] for row in entries]).reshape(self.time.shape)
+        self.transient = np.array([[e.transient_bytes for e in row] for row in entries]).reshape(self.time.shape)
+        self.memory = np.array([infos[g.device_type].memory_bytes for g in groups], dtype=float)
+        self.in_flight = [in_flight(schedule, microbatches, max_stages, max_stages - 1 - p) for p in range(max_stages)]
+        self._lps: dict[int, _BottleneckLP] = {}
+
+    def buckets(self, stages: int) -> list[tuple[int, int]]:
+        """(positions, least in-flight count) of each bucket of positions 0..stages−1: 0, 1, 2, 3, then
+        two per doubling (4–5, 6–7, 8–11, 12–15, ...), each priced at its first position's
+        in-flight count — a relaxation (memory only grows with in-flight microbatches) a third
+        the size of one column set per position, whose bound on GPT-175B moved by under 1%."""
+        edges, start = [], 0
+        while start < stages:
+            width = max(1, start // 2) if start >= 4 else 1
+            end = min(stages, start + width)
+            edges.append((end - start, self.in_flight[start]))
+            start = end
+        return edges
+
+    def least_step_s(self, bottleneck_s: float, stages: int | None = None) -> float:
+        """Z(T): a lower bound on the step time of every plan whose stages each compute within
+        ``bottleneck_s`` per microbatch (+inf: there is none)."""
+        S = self.J if stages is None else stages
+        if S not in self._lps:
+            self._lps[S] = _BottleneckLP(self, S)
+        return self._lps[S].least_step_s(bottleneck_s)
+
+    def bound_s(
+        self,
+        stages: int | None = None,
+        *,
+        above_s: float = 0.0,
+        below_s: float = math.inf,
+        deadline: float | None = None,
+    ) -> float:
+        """A lower bound on the step time of every plan with at most ``stages`` stages (s).
+
+        A plan whose slowest stage computes c > T takes ≥ M·c > M·T; one with c ≤ T takes
+        ≥ Z(T). So min(M·T, Z(T)) is a bound for every T, and Z falls as T grows while M·T
+        rises: a bisection for their crossing finds the best. It starts bracketed by
+        ``above_s`` (a known bound) and ``below_s`` (an incumbent's step time): once the bound
+        reaches the incumbent, no plan of this M beats it and the bound is +inf. At
+        ``deadline`` (``time.perf_counter()``) the search stops with the best bound so far."""
+        if not self.groups:
+            return math.inf
+        slowest = float(self.time.max() * sum(run.count for run in self.runs))
+        hi = min(below_s / self.M, slowest)
+        least = self.least_step_s(hi, stages)
+        if least == math.inf or (least >= self.M * hi and hi < slowest):
+            return math.inf  # nothing within T = hi, and anything slower loses to the incumbent
+        if hi == slowest:  # every plan computes within this T
+            best = least
+        else:
+            best = max(above_s, min(least, self.M * hi))
+        lo = max(above_s / self.M, hi * 1e-6)
+        while hi - lo > TOLERANCE * hi and (deadline is None or time.perf_counter() < deadline):
+            mid = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
+            least = self.least_step_s(mid, stages)
+            best = max(best, min(least, self.M * mid))
+            if least > self.M * mid:
+                lo = mid
+            else:
+                hi = mid
+        return math.inf if best >= below_s else best

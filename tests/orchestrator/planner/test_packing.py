@@ -1,0 +1,67 @@
+"""The packing bound against enumeration: never above the best plan of its M, +inf only when no
+plan of that M fits (or beats the incumbent it was given), and tighter than the capacity cut."""
+
+import math
+
+import pytest
+
+from orchestrator.bench._synthetic import random_instance
+from orchestrator.planner._exhaustive import exhaustive_plan
+from orchestrator.planner._ilp import simple_bound_s, undominated
+from orchestrator.planner._packing import PackingBound
+from orchestrator.planner._search import search_space
+
+BATCH, STAGES = 8, 3
+
+
+def _bound(space, M, schedule, stages):
+    groups = undominated(
+        [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
+    )
+    packing = PackingBound(
+        space.runs, groups, space.table, space.infos, microbatches=M, max_stages=stages, schedule=schedule
+    )
+    return packing, simple_bound_s(space.runs, groups, space.table, space.infos, M)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_packing_bound_never_exceeds_the_best_plan_of_its_microbatch_count(schedule):
+    compared = tighter = 0
+    for seed in range(16):
+        model = random_instance(seed)
+        space = search_space(model, BATCH, recompute=True)
+        for M in (1, 2, 4):
+            truth = exhaustive_plan(
+                model, global_batch=BATCH, schedule=schedule, microbatch_candidates=(M,), max_stages=STAGES
+            )
+            packing, capacity = _bound(space, M, schedule, STAGES)
+            bound = packing.bound_s(above_s=capacity)
+            if truth is None:
+                continue
+            assert bound <= truth.iteration_s * (1 + 1e-6), f"seed {seed}, M={M}: {bound} > {truth.iteration_s}"
+            # an incumbent just above the optimum must not be pruned; one below it may be
+            assert packing.bound_s(above_s=capacity, below_s=truth.iteration_s * 1.001) < math.inf
+            compared += 1
+            tighter += bound > capacity * 1.01
+    assert compared >= 30
+    assert tighter >= compared // 2, f"tighter than the capacity cut on only {tighter} of {compared}"
+
+
+def test_packing_bound_holds_per_stage_count_and_proves_empty_microbatch_counts():
+    """``bound_s(stages=S)`` bounds every plan with at most S stages; +inf means no such plan fits."""
+    checked = empty = 0
+    for seed in range(12):
+        model = random_instance(seed)
+        space = search_space(model, BATCH, recompute=True)
+        for M in (1, 4):
+            packing, capacity = _bound(space, M, "1f1b", STAGES)
+            for S in range(1, STAGES + 1):
+                truth = exhaustive_plan(model, global_batch=BATCH, microbatch_candidates=(M,), max_stages=S)
+                bound = packing.bound_s(S, above_s=capacity)
+                if truth is None:
+                    empty += bound == math.inf
+                    continue
+                assert bound <= truth.iteration_s * (1 + 1e-6), f"seed {seed}, M={M}, S={S}"
+                checked += 1
+    assert checked >= 40
+    assert empty >= 1, "no instance where the bound proved a microbatch count empty"
