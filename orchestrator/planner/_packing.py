@@ -17,7 +17,8 @@ microbatch exists only if this LP is feasible:
     Σ_g n[g,p] ≤ 1                                             one group per position
     Σ_r τ[r,g]·x[r,g,p] ≤ T·n[g,p]                             compute within T
     Σ_r (σ[r,g] + α[r,g]·k_p)·x[r,g,p] ≤ (mem_g − ρ_g)·n[g,p]  memory (ρ_g: the least transient)
-    x[r,g,p] ≤ f[r,g,p]·n[g,p],  f = (mem_g − ρ[r,g]) / (σ + α·k_p)   what fits beside its transient
+    x[r,g,p] ≤ min(f, ⌊T/τ[r,g]⌋)·n[g,p]                       whole layers of one run that fit
+                f = ⌊(mem_g − ρ[r,g]) / (σ + α·k_p)⌋            beside its transient, and compute within T
     Σ_{p, g of type t} size_g·n[g,p] ≤ N_t                     devices
 
 (τ time, σ static, α activation and ρ transient memory of one layer per device, from the
@@ -54,9 +55,9 @@ from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._ilp import Run, in_flight
 from orchestrator.planner._table import CostTable
 
-# bisection stops when the bracket's ends are this close (relative): a tenth of the planner's
-# default gap
-TOLERANCE = 1e-4
+# the search stops when its bound is this close (relative) to the most the bound could be: a
+# tenth of the 1% gap the planner aims for
+TOLERANCE = 1e-3
 
 
 class _BottleneckLP:
@@ -76,6 +77,8 @@ class _BottleneckLP:
         columns = R * G * P + G * P
         rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
         self.compute_cells: list[tuple[int, int, float]] = []  # (row, column, τ): coefficient τ/T
+        # (row, column, f, τ): coefficient −min(f, ⌊T/τ⌋), the whole layers that fit and compute within T
+        self.count_cells: list[tuple[int, int, int, float]] = []
         for g in range(G):
             memory = bound.memory[g]
             least_transient = bound.transient[:, g].min()
@@ -88,7 +91,9 @@ class _BottleneckLP:
                     (np.r_[x[:, g, p], n[g, p]], np.r_[held / memory, -(1 - least_transient / memory)], -math.inf, 0.0)
                 )
                 for r, run in enumerate(bound.runs):
-                    fits = min(float(run.count), max(0.0, (memory - bound.transient[r, g]) / held[r]))
+                    free = memory - bound.transient[r, g]
+                    fits = run.count if held[r] <= 0 else min(run.count, max(0, math.floor(free / held[r])))
+                    self.count_cells.append((len(rows), int(n[g, p]), fits, float(bound.time[r, g])))
                     rows.append((np.array([x[r, g, p], n[g, p]]), np.array([1.0, -fits]), -math.inf, 0.0))
         for p, (positions, _) in enumerate(buckets):
             rows.append((n[:, p], np.ones(G), -math.inf, float(positions)))
@@ -141,6 +146,9 @@ class _BottleneckLP:
 
         for row, column, time_s in self.compute_cells:
             self.highs.changeCoeff(row, column, time_s / bottleneck_s)
+        for row, column, fits, time_s in self.count_cells:
+            within = fits if time_s <= 0 else min(fits, math.floor(bottleneck_s / time_s * (1 + 1e-9)))
+            self.highs.changeCoeff(row, column, -float(within))
         self.highs.run()
         status = self.highs.getModelStatus()
         if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
@@ -210,28 +218,39 @@ class PackingBound:
 
         A plan whose slowest stage computes c > T takes ≥ M·c > M·T; one with c ≤ T takes
         ≥ Z(T). So min(M·T, Z(T)) is a bound for every T, and Z falls as T grows while M·T
-        rises: a bisection for their crossing finds the best. It starts bracketed by
+        rises: a search for their crossing (bisection alternating with regula falsi) stops
+        when the best bound is within ``TOLERANCE`` of the most it could be. It starts bracketed by
         ``above_s`` (a known bound) and ``below_s`` (an incumbent's step time): once the bound
         reaches the incumbent, no plan of this M beats it and the bound is +inf. At
         ``deadline`` (``time.perf_counter()``) the search stops with the best bound so far."""
         if not self.groups:
             return math.inf
+        M = self.M
         slowest = float(self.time.max() * sum(run.count for run in self.runs))
-        hi = min(below_s / self.M, slowest)
-        least = self.least_step_s(hi, stages)
-        if least == math.inf or (least >= self.M * hi and hi < slowest):
+        hi = min(below_s / M, slowest)
+        z_hi = self.least_step_s(hi, stages)
+        if z_hi == math.inf or (z_hi >= M * hi and hi < slowest):
             return math.inf  # nothing within T = hi, and anything slower loses to the incumbent
-        if hi == slowest:  # every plan computes within this T
-            best = least
-        else:
-            best = max(above_s, min(least, self.M * hi))
-        lo = max(above_s / self.M, hi * 1e-6)
-        while hi - lo > TOLERANCE * hi and (deadline is None or time.perf_counter() < deadline):
-            mid = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
-            least = self.least_step_s(mid, stages)
-            best = max(best, min(least, self.M * mid))
-            if least > self.M * mid:
-                lo = mid
+        if z_hi >= M * hi:  # hi = slowest bounds every stage: Z(hi) bounds every plan, and beats M·T below it
+            return max(above_s, z_hi)
+        # g(T) = Z(T) − M·T falls as T grows: g(lo) > 0 (Z(lo) = inf before the first probe),
+        # g(hi) ≤ 0, and the best bound lies in [max(floor, Z(hi)), min(M·hi, Z(lo))], where
+        # floor is M·lo once lo is probed (or the bound given)
+        lo, z_lo, floor = max(above_s / M, hi * 1e-6), math.inf, above_s
+        geometric = True
+        while deadline is None or time.perf_counter() < deadline:
+            if min(M * hi, z_lo) - max(floor, z_hi) <= TOLERANCE * min(M * hi, z_lo):
+                break
+            if geometric or z_lo == math.inf:
+                mid = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
+            else:  # regula falsi on g between the bracket's ends
+                g_lo, g_hi = z_lo - M * lo, z_hi - M * hi
+                mid = lo + g_lo * (hi - lo) / (g_lo - g_hi)
+            geometric = not geometric  # alternate, so the bracket at least halves every other probe
+            z = self.least_step_s(mid, stages)
+            if z > M * mid:
+                lo, z_lo, floor = mid, z, max(floor, M * mid)
             else:
-                hi = mid
+                hi, z_hi = mid, z
+        best = max(floor, z_hi)
         return math.inf if best >= below_s else best
