@@ -297,7 +297,11 @@ def balanced(
     deadline=None,
 ):
     """Not a baseline: our own fast heuristic (true costs, speed-ordered blocks, bottleneck DP),
-    used as the ILP's starting incumbent."""
+    used as the ILP's starting incumbent.
+
+    Blocks go fastest first and, separately, fastest last: under 1F1B the last stages hold the
+    fewest microbatches in flight, so a fast type whose memory binds holds more layers there
+    (GPT-175B × mixed-4type-512 with ZeRO-1, session 9: 674 → 548 s a step)."""
     search, best = (
         _Search(model, global_batch, schedule, microbatch_candidates, max_stages, recompute, space, deadline, zero),
         None,
