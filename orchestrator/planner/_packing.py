@@ -61,9 +61,9 @@ TOLERANCE = 1e-3
 
 
 class _BottleneckLP:
-    """The LP above for one stage count, loaded into HiGHS once; :meth:`feasible` changes only
-    the compute rows' coefficients (τ/T, rows divided by T) so each solve starts from the last
-    basis."""
+    """The LP above for one stage count, loaded into HiGHS once; :meth:`least_step_s` changes
+    only the coefficients that depend on T (τ/T in the compute rows, which are divided by T, and
+    the whole-layer caps) so each solve starts from the last basis."""
 
     def __init__(self, bound: PackingBound, stages: int):
         import highspy
@@ -227,6 +227,8 @@ class PackingBound:
             return math.inf
         M = self.M
         slowest = float(self.time.max() * sum(run.count for run in self.runs))
+        if slowest <= 0:  # nothing takes time: no T to search
+            return above_s
         hi = min(below_s / M, slowest)
         z_hi = self.least_step_s(hi, stages)
         if z_hi == math.inf or (z_hi >= M * hi and hi < slowest):

@@ -200,7 +200,7 @@ def _packing_bounds(space: SearchSpace, candidates, max_stages: int, schedule: s
             [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
         )
         simple = simple_bound_s(space.runs, groups, space.table, space.infos, M)
-        if not groups or time.perf_counter() >= deadline:
+        if not groups or time.perf_counter() >= deadline or not highs_available():  # (the LP needs highspy)
             found[M] = (simple, groups)
             continue
         bound = PackingBound(
