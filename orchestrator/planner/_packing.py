@@ -177,10 +177,16 @@ class PackingBound:
     ):
         self.runs, self.groups, self.infos, self.M, self.J = runs, groups, infos, microbatches, max_stages
         entries = [[table.entry(run.first, g, microbatches) for g in groups] for run in runs]
-        self.time = np.array([[e.time_s for e in row] for row in entries]).reshape(len(runs), len(groups))
-        self.static = np.array([[e.static_bytes for e in row] for row in entries]).reshape(self.time.shape)
-        self.activation = np.array([[e.activation_bytes for e in row] for row in entries]).reshape(self.time.shape)
-        self.transient = np.array([[e.transient_bytes for e in row] for row in entries]).reshape(self.time.shape)
+
+        def per_run_and_group(field: str) -> np.ndarray:
+            return np.array([[getattr(e, field) for e in row] for row in entries], dtype=float).reshape(
+                len(runs), len(groups)
+            )
+
+        self.time = per_run_and_group("time_s")
+        self.static = per_run_and_group("static_bytes")
+        self.activation = per_run_and_group("activation_bytes")
+        self.transient = per_run_and_group("transient_bytes")
         self.memory = np.array([infos[g.device_type].memory_bytes for g in groups], dtype=float)
         self.in_flight = [in_flight(schedule, microbatches, max_stages, max_stages - 1 - p) for p in range(max_stages)]
         self._lps: dict[int, _BottleneckLP] = {}

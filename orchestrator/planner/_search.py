@@ -190,10 +190,10 @@ def _heuristic(model, space, global_batch, schedule, candidates, max_stages, rec
 
 
 def _packing_bounds(space: SearchSpace, candidates, max_stages: int, schedule: str, best, *, deadline: float):
-    """{M: (packing bound (s), the M's undominated groups)}: +inf where no plan of that M fits
-    or beats the incumbent ``best``. Fewest microbatches first (where memory binds hardest, the
+    """{M: packing bound (s)}, never below the capacity bound: +inf where no plan of that M fits or
+    beats the incumbent ``best``. Fewest microbatches first (where memory binds hardest, the
     bound is cheapest: GPT-175B proves M ≤ 16 empty in 0.1 s each), each M with an equal share
-    of the time left; a bisection stopped by its share keeps the bound it reached."""
+    of the time left; a search stopped by its share keeps the bound it reached."""
     found = {}
     for index, M in enumerate(sorted(candidates)):
         groups = undominated(
@@ -201,7 +201,7 @@ def _packing_bounds(space: SearchSpace, candidates, max_stages: int, schedule: s
         )
         simple = simple_bound_s(space.runs, groups, space.table, space.infos, M)
         if not groups or time.perf_counter() >= deadline or not highs_available():  # (the LP needs highspy)
-            found[M] = (simple, groups)
+            found[M] = simple
             continue
         bound = PackingBound(
             space.runs, groups, space.table, space.infos, microbatches=M, max_stages=max_stages, schedule=schedule
@@ -211,7 +211,7 @@ def _packing_bounds(space: SearchSpace, candidates, max_stages: int, schedule: s
             deadline=time.perf_counter() + (deadline - time.perf_counter()) / (len(candidates) - index),
         )
         log.debug("M=%d: packing bound %.6g s (capacity %.6g s)", M, bound, simple)
-        found[M] = (bound, groups)
+        found[M] = bound
     return found
 
 
@@ -417,7 +417,7 @@ def plan(
     # each M's model and its pieces, one per stage count (the CBC fallback solves the model whole)
     pieces: list[_Piece] = []
     for index, M in enumerate(candidates):
-        packed, groups = packing[M]
+        packed = packing[M]
         if packed == math.inf:  # no plan of this M fits, or none beats the incumbent
             continue
         if time_limit_s - (time.perf_counter() - started) <= 0:  # out of time: this M keeps its packing bound
@@ -425,7 +425,6 @@ def plan(
             if best is None:
                 unproven.append(M)
             continue
-        simple = simple_bound_s(space.runs, groups, space.table, space.infos, M)
         sub = StageModel(
             runs=space.runs,
             max_stages=max_stages,
@@ -451,7 +450,7 @@ def plan(
         log.debug("M=%d: relaxation bound %.6g ms", M, relaxed)
         if relaxed == math.inf:  # no piece of this M can beat the incumbent
             continue
-        floor = max(simple, packed, relaxed / MS)
+        floor = max(packed, relaxed / MS)  # packed is never below the capacity bound
         pieces += [_Piece(sub, session, S, bound_s=floor) for S in range(1, sub.J + 1)]
     # first pass: a short presolve-free solve of every piece, fewest stages first
     pieces.sort(key=lambda p: p.stages)
