@@ -348,7 +348,12 @@ class Replanner(Callback):
         )
         started = time.perf_counter()
         proposed = replan(
-            current, model, time_limit_s=self.time_limit_s, max_stages=self.max_stages, horizon_steps=self.horizon_steps
+            current,
+            model,
+            time_limit_s=self.time_limit_s,
+            max_stages=self.max_stages,
+            horizon_steps=self.horizon_steps,
+            mixed_stages=False,  # the executor runs one device type per stage
         )
         replan_s = time.perf_counter() - started
         t_current, t_new = step_s(price(current, model), model), step_s(price(proposed, model), model)

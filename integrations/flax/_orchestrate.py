@@ -186,7 +186,14 @@ def orchestrate(
     if plan is None:
         from orchestrator.planner import plan as make_plan
 
-        plan = make_plan(model, global_batch=global_batch, max_stages=max_stages, time_limit_s=time_limit_s, zero=zero)
+        plan = make_plan(  # one device type per stage: what one SPMD program per stage can run
+            model,
+            global_batch=global_batch,
+            max_stages=max_stages,
+            time_limit_s=time_limit_s,
+            zero=zero,
+            mixed_stages=False,
+        )
     placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero)
     options = dict(pipeline_options or {})
     step_fn = compile_step(

@@ -311,8 +311,10 @@ def _replan(previous, model, config: RunConfig):
     from orchestrator.planner import plan, replan
 
     if previous is None:
-        return plan(model, global_batch=config.global_batch, time_limit_s=config.time_limit_s)
-    return replan(previous, model, global_batch=config.global_batch, time_limit_s=config.time_limit_s)
+        return plan(model, global_batch=config.global_batch, time_limit_s=config.time_limit_s, mixed_stages=False)
+    return replan(
+        previous, model, global_batch=config.global_batch, time_limit_s=config.time_limit_s, mixed_stages=False
+    )
 
 
 def _restore(checkpoints: Checkpointer, placed, latest: int | None) -> tuple[object, int]:

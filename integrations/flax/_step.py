@@ -75,6 +75,12 @@ def compile_step(
       >>> step = compile_step(plan, recipe.train_step, sharded)  # doctest: +SKIP
       >>> sharded, metrics = step(sharded, batch)  # doctest: +SKIP
     """
+    mixed = [s for s, stage in enumerate(plan.stages) if stage.parts]
+    if mixed:
+        raise ValueError(
+            f"stage {mixed[0]} of the plan spans two device types with uneven batch shares, which one SPMD "
+            "program cannot run: plan with mixed_stages=False to execute it"
+        )
     if len(plan.stages) > 1:
         from integrations.flax._pipeline import Pipeline
 

@@ -10,23 +10,35 @@ from orchestrator.planner._ilp import in_flight
 
 
 class StageCosts:
-    """Prefix sums of per-layer entries for one group at one M: interval time and memory in O(1)."""
+    """Prefix sums of per-layer entries for one group at one M: interval time and memory in O(1)
+    (memory per part: a group on two device types must fit on each)."""
 
     def __init__(self, space, group: GroupConfig, microbatches: int):
         entries = [space.table.entry(layer, group, microbatches) for layer in range(space.layers)]
         self.group = group
         self.time = [0.0, *itertools.accumulate(e.time_s for e in entries)]
-        self.static = [0.0, *itertools.accumulate(e.static_bytes for e in entries)]
-        self.activation = [0.0, *itertools.accumulate(e.activation_bytes for e in entries)]
-        self.transient = [e.transient_bytes for e in entries]
-        self.capacity = space.infos[group.device_type].memory_bytes
+        self.parts = []  # (capacity, static prefix sums, activation prefix sums, transients) per part
+        layers = [space.table.memory_parts(layer, group, microbatches) for layer in range(space.layers)]
+        for q in range(len(layers[0]) if layers else 0):
+            held = [cell[q][1] for cell in layers]
+            self.parts.append(
+                (
+                    layers[0][q][0],
+                    [0.0, *itertools.accumulate(e.static_bytes for e in held)],
+                    [0.0, *itertools.accumulate(e.activation_bytes for e in held)],
+                    [e.transient_bytes for e in held],
+                )
+            )
 
     def time_s(self, i: int, k: int) -> float:
         return self.time[k] - self.time[i]
 
     def fits(self, i: int, k: int, in_flight_microbatches: int) -> bool:
-        memory = self.static[k] - self.static[i] + (self.activation[k] - self.activation[i]) * in_flight_microbatches
-        return memory + max(self.transient[i:k]) <= self.capacity
+        return all(
+            static[k] - static[i] + (activation[k] - activation[i]) * in_flight_microbatches + max(transient[i:k])
+            <= capacity
+            for capacity, static, activation, transient in self.parts
+        )
 
 
 def configs_for(space, device_type: str, size: int, microbatches: int, *, tensor_parallel: bool = True):

@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 from orchestrator.planner import PlanInfeasible, PlanNotFound, cached_plan, plan, replan
 
-SMALL_SETTINGS = {"global_batch": 16, "microbatch_candidates": (1, 2, 4, 8), "max_stages": 4}
+# re-planning serves the executor, which runs stages of one device type
+SMALL_SETTINGS = {"global_batch": 16, "microbatch_candidates": (1, 2, 4, 8), "max_stages": 4, "mixed_stages": False}
 
 
 def _without_host(model, host: str, rebuild: Callable):
@@ -108,7 +109,7 @@ def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
     model = captured_model("gpt-13b", "mixed-4type-64", 2048)
     if progress:
         progress("planning gpt-13b × mixed-4type-64")
-    before = plan(model, global_batch=512, time_limit_s=time_limit_s)
+    before = plan(model, global_batch=512, time_limit_s=time_limit_s, mixed_stages=False)
     cases = []
     for stage in before.stages:
         host = stage.devices[-1].split("/")[0]
@@ -118,17 +119,17 @@ def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
         after = _without_host(model, host, model.with_cluster)
         started = time.perf_counter()
         try:
-            warm = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False)
+            warm = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False, mixed_stages=False)
         except (PlanNotFound, PlanInfeasible) as error:
             cases.append({"name": f"gpt-13b × mixed-4type-64 minus {host}", "ok": False, "error": str(error)})
             continue
         warm_s = time.perf_counter() - started
         started = time.perf_counter()
-        hit = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False)
+        hit = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False, mixed_stages=False)
         cache_s = time.perf_counter() - started
         started = time.perf_counter()
         try:
-            cold = plan(after, global_batch=512, time_limit_s=time_limit_s)
+            cold = plan(after, global_batch=512, time_limit_s=time_limit_s, mixed_stages=False)
         except (PlanNotFound, PlanInfeasible) as error:
             cold, cold_error = None, str(error)
         cold_s = time.perf_counter() - started

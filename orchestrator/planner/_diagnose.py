@@ -25,6 +25,11 @@ def binding_notes(
             f"of the {microbatches - 1} steady-state microbatches"
         )
     for s, (layers, group) in enumerate(zip(stages, groups)):
+        if group.mixed:
+            shares = space.table.shares(group, microbatches)
+            split = " and ".join(f"{b} per replica on {kind}" for kind, b in zip(group.by_type, shares))
+            notes.append(f"stage {s} spans {group.device_type}: each microbatch is split {split}")
+            continue
         capacity = space.infos[group.device_type].memory_bytes
         share = ev.stage_memory_bytes[s] / capacity
         if share >= NEAR:
@@ -49,7 +54,8 @@ def binding_notes(
             )
     used: dict[str, int] = {}
     for group in groups:
-        used[group.device_type] = used.get(group.device_type, 0) + group.size
+        for name, n in group.by_type.items():
+            used[name] = used.get(name, 0) + n
     for name, info in space.infos.items():
         n = used.get(name, 0)
         if n == info.devices:

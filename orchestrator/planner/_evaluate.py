@@ -55,11 +55,17 @@ def evaluate(
         forwards.append(sum(e.forward_s for e in entries))
         sends.append(send)
         k = in_flight(schedule, microbatches, S, s)
-        memory = sum(e.static_bytes + e.activation_bytes * k for e in entries) + max(e.transient_bytes for e in entries)
-        feasible &= memory <= infos[group.device_type].memory_bytes
-        used[group.device_type] = used.get(group.device_type, 0) + group.size
+        parts = [table.memory_parts(l, group, microbatches) for l in layers]
+        peak = 0.0  # the fullest part's bytes per device
+        for p, (capacity, _) in enumerate(parts[0]):
+            held = [part[p][1] for part in parts]
+            memory = sum(e.static_bytes + e.activation_bytes * k for e in held) + max(e.transient_bytes for e in held)
+            feasible &= memory <= capacity
+            peak = max(peak, memory)
+        for name, n in group.by_type.items():
+            used[name] = used.get(name, 0) + n
         times.append(t)
-        memories.append(memory)
+        memories.append(peak)
         syncs.append(sum(e.dp_sync_s for e in entries))
         optims.append(sum(e.optimizer_s for e in entries))
     feasible &= all(n <= infos[t].devices for t, n in used.items())

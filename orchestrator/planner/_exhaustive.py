@@ -25,9 +25,10 @@ def exhaustive_plan(
     max_stages: int | None = None,
     recompute: bool = True,
     zero: bool = False,
+    mixed_stages: bool = True,
 ) -> Evaluation | None:
     """The best feasible evaluation over the planner's whole search space (None if none fits)."""
-    space = search_space(model, global_batch, recompute=recompute, zero=zero)
+    space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed_stages)
     infos, groups, table, links, L = space.infos, space.groups, space.table, space.links, space.layers
     best = None
     for S in range(1, min(max_stages or 16, L, len(model.cluster.devices())) + 1):

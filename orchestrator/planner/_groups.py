@@ -9,6 +9,14 @@ parallelism all-reduces every layer: it belongs on the fastest links); the
 rest, ``dp = n / tp``, is data parallelism. Hosts of one type are treated as
 interchangeable counts, so the candidates grow with device types and sizes,
 not with devices.
+
+A *mixed* group joins whole hosts of two types, the same number of hosts of
+each (so the candidates grow with type pairs × host counts, not with their
+product), under one ``tp``: its data-parallel replicas sit on different
+types, and each type's replicas take their own batch share (``CostTable.shares``),
+the fast type more samples per microbatch. Its name is the types joined by
+"+" (``"a100+v100"``), which is also its key wherever a type is looked up,
+so code that expects one type fails loudly on it rather than using one part.
 """
 
 from __future__ import annotations
@@ -24,10 +32,20 @@ class GroupConfig:
     size: int
     tp: int
     recompute: bool
+    parts: tuple[tuple[str, int], ...] = ()  # a mixed group's (type, devices), in type order
 
     @property
     def dp(self) -> int:
         return self.size // self.tp
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.parts)
+
+    @property
+    def by_type(self) -> dict[str, int]:
+        """Devices of each type."""
+        return dict(self.parts) if self.parts else {self.device_type: self.size}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,10 +109,53 @@ def group_configs(
     return configs
 
 
+def mixed_group_configs(
+    infos: dict[str, TypeInfo], *, recompute: bool = True, tensor_parallel: bool = True
+) -> list[GroupConfig]:
+    """Mixed groups: for each pair of types, h whole hosts of each (h a power of two, or all
+    hosts of the type with fewer), every tp dividing both types' hosts."""
+    configs = []
+    names = sorted(infos)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            a, b = infos[first], infos[second]
+            most = min(a.devices // a.per_host, b.devices // b.per_host)
+            counts = sorted({2**k for k in range(most.bit_length()) if 2**k <= most} | {most})
+            for hosts in counts:
+                parts = ((first, hosts * a.per_host), (second, hosts * b.per_host))
+                tp = 1
+                while tp <= min(a.per_host, b.per_host) and (tensor_parallel or tp == 1):
+                    if a.per_host % tp == 0 and b.per_host % tp == 0:
+                        for rc in (False, True) if recompute else (False,):
+                            configs.append(
+                                GroupConfig(
+                                    device_type=f"{first}+{second}",
+                                    size=parts[0][1] + parts[1][1],
+                                    tp=tp,
+                                    recompute=rc,
+                                    parts=parts,
+                                )
+                            )
+                    tp *= 2
+    return configs
+
+
 def group_links(config: GroupConfig, info: TypeInfo) -> tuple[Link, Link]:
-    """(tensor-parallel link, data-parallel link) of a group."""
+    """(tensor-parallel link, data-parallel link) of a group of one type."""
     dp_link = info.intra_link if config.size <= info.per_host else info.inter_link
     return info.intra_link, dp_link
+
+
+def slowest(links) -> Link:
+    return min(links, key=lambda link: (link.bandwidth_bytes_per_s, -link.latency_s))
+
+
+def with_mixed_links(links: dict[tuple[str, str], Link], groups: list[GroupConfig]) -> dict[tuple[str, str], Link]:
+    """``links`` (by type pair) extended to the mixed groups' names: the slowest link between
+    any type of one and any type of the other, as for two types."""
+    kinds = {g.device_type: tuple(g.by_type) for g in groups}
+    kinds.update({t: (t,) for pair in links for t in pair})
+    return {(k, k2): slowest(links[t, t2] for t in kinds[k] for t2 in kinds[k2]) for k in kinds for k2 in kinds}
 
 
 def pair_links(cluster: Cluster, infos: dict[str, TypeInfo]) -> dict[tuple[str, str], Link]:
@@ -113,6 +174,5 @@ def pair_links(cluster: Cluster, infos: dict[str, TypeInfo]) -> dict[tuple[str, 
             if t == t2:
                 links[t, t2] = infos[t].inter_link
             else:
-                pairs = [cluster.link(a, b) for a in firsts[t] for b in firsts[t2]]
-                links[t, t2] = min(pairs, key=lambda link: (link.bandwidth_bytes_per_s, -link.latency_s))
+                links[t, t2] = slowest(cluster.link(a, b) for a in firsts[t] for b in firsts[t2])
     return links

@@ -8,8 +8,12 @@ Sets
                       stage's in-flight microbatches k_j = min(M, j + 1) under 1F1B (M under
                       GPipe) are constants and the stage count S ≤ J is a decision.
     groups g ∈ G      (device type, size, tp, recompute) with dp = size / tp dividing the
-                      microbatch; hosts of one type are counts, not enumerated (``_groups``).
-    types t           device types; a stage's devices are of one type.
+                      microbatch; hosts of one type are counts, not enumerated (``_groups``);
+                      a mixed group joins hosts of two types, its replicas taking batch shares
+                      fixed per (group, M) by the cost table
+    parts q of g      its device types: one, or two for a mixed group (mem_q, size_q, and
+                      σ_q, α_q, ρ_q each part's own memory per device)
+    types t           device types; a stage's devices are of one type or of one mixed group.
 
 Parameters (per layer of run r on group g, per microbatch and device, from the cost model)
     τ time (forward + backward + recompute + TP all-reduces), σ static memory (parameters,
@@ -40,7 +44,7 @@ Constraints (one function each; every row named)
                     stages this makes every stage a contiguous slice of the chain)
     group_split     Σ_g v[r,j,g] = a[r,j],  v ≤ u,  Σ_g y[r,j,g] = z[r,j],  y ≤ f[r,j,g]·v, where
                     f = min(n_r, ⌊(mem − ρ) / (σ + α·k_j)⌋) layers of r fit alone (v = 0 if none)
-    devices         Σ_{j, g of type t} size_g·u[j,g] ≤ devices(t)
+    devices         Σ_{j, g with a part q of type t} size_q·u[j,g] ≤ devices(t)
     transfers       e[r,j] ≥ a[r,j] − a[r+1,j];  c[j,t,t′] ≥ ut[j,t] + ut[j−1,t′] − 1;
                     P_j ≥ π_r(t,t′)·(e[r,j] + c[j,t,t′] − 1)
     stage_times     compute_j = Σ_{r,g} τ·y[r,j,g], forward_j = Σ φ·y (φ: forward part of τ),
@@ -51,11 +55,12 @@ Constraints (one function each; every row named)
                     flow shops with paces Ff and Fb_j), W ≥ E_j + upstream drain, W ≥ M·T,
                     step ≥ W, step ≥ max(E_j, E_j − backward_j + sync_j) + optimizer_j, and for
                     the first stage (used_{j+1} = 0; big-M on used_{j+1}) the same with E_j = W
-    memory          Σ_{r,g} (σ + α·k_j)·y[r,j,g] + X_j ≤ Σ_g mem(g)·u[j,g],  X_j ≥ Σ_g ρ·v[r,j,g]
-    group limits    Σ_r (σ + α·k_j)·y[r,j,g] ≤ mem(g)·u[j,g];  with an incumbent of step time I,
+    memory          per part slot q (a group of one type fills every slot with its one part):
+                    Σ_{r,g} (σ_q + α_q·k_j)·y[r,j,g] + X_jq ≤ Σ_g mem_q(g)·u[j,g],  X_jq ≥ Σ_g ρ_q·v[r,j,g]
+    group limits    Σ_r (σ_q + α_q·k_j)·y[r,j,g] ≤ mem_q(g)·u[j,g] per part;  with an incumbent I,
                     Σ_r τ·y[r,j,g] ≤ (I / M)·u[j,g]  (a better plan has T ≤ I / M)
-    capacity        (valid cuts) N_t·T ≥ Σ_{r,j,g of type t} size_g·τ·y[r,j,g],  Σ_j t_j ≥ T,
-                    Σ_{r,j,g of type t} size_g·(σ + α·k_j)·y[r,j,g] ≤ N_t·mem_t
+    capacity        (valid cuts) N_t·T ≥ Σ_{r,j,(g,q) of type t} size_q·τ·y[r,j,g],  Σ_j t_j ≥ T,
+                    Σ_{r,j,(g,q) of type t} size_q·(σ_q + α_q·k_j)·y[r,j,g] ≤ N_t·mem_t
 
 Objective: the step time ``step`` — the closed form of ``_closed_form``: the critical paths of
 the schedule with transfers beside compute and gradient sync hidden behind the last backward
@@ -118,7 +123,9 @@ def undominated(groups: list[GroupConfig], runs: list[Run], table: CostTable, mi
         values: list[float] = [g.size]
         for run in runs:
             e = table.entry(run.first, g, microbatches)
-            values += [e.time_s, e.static_bytes, e.activation_bytes, e.transient_bytes, e.dp_sync_s, e.optimizer_s]
+            values += [e.time_s, e.dp_sync_s, e.optimizer_s]
+            for _, part in table.memory_parts(run.first, g, microbatches):
+                values += [part.static_bytes, part.activation_bytes, part.transient_bytes]
         return tuple(values)
 
     profiles = {g: profile(g) for g in groups}
@@ -191,7 +198,9 @@ class StageModel:
         self.P = {j: var(f"P_{j}", 0) for j in J}
         self.c: dict = {}  # (j, t, t2), made by add_transfers
         self.T = var("T", 0)
-        self.X = {j: var(f"X_{j}", 0) for j in J}
+        # a mixed group has two parts, each with its own memory rows (slots); groups of one type fill both
+        self.slots = range(max(len(g.parts) or 1 for g in self.groups) if self.groups else 1)
+        self.X = {(j, q): var(f"X_{j}_{q}", 0) for j in J for q in self.slots}
         # per-position times (ms) and the closed form's critical-path variables
         self.compute = {j: var(f"compute_{j}", 0) for j in J}
         self.forward = {j: var(f"forward_{j}", 0) for j in J}
@@ -221,6 +230,21 @@ class StageModel:
 
     def entry(self, r: int, g: int):
         return self.table.entry(self.runs[r].first, self.groups[g], self.M)
+
+    def part(self, r: int, g: int, q: int) -> tuple[float, float, str, object]:
+        """(device memory, devices, type, entry) of slot q of group g for run r (a group of one
+        type has one part, in every slot)."""
+        group = self.groups[g]
+        parts = self.table.memory_parts(self.runs[r].first, group, self.M)
+        index = min(q, len(parts) - 1)
+        kind, size = list(group.by_type.items())[index]
+        capacity, entry = parts[index]
+        return capacity, size, kind, entry
+
+    def held(self, r: int, g: int, q: int, k: int) -> float:
+        """Bytes per device one layer of run r keeps on slot q of group g with k microbatches in flight."""
+        entry = self.part(r, g, q)[3]
+        return entry.static_bytes + entry.activation_bytes * k
 
     def _terms(self, j: int):
         return [(r, g, self.y[r, j, g]) for r in range(len(self.runs)) for g in range(len(self.groups))]
@@ -260,12 +284,16 @@ class StageModel:
         only that run): the tight coefficient that makes the LP relaxation respect memory."""
         if self.repair:  # memory may grow by Q: no layer count is ruled out
             return self.runs[r].count
-        entry = self.entry(r, g)
-        free = self.infos[self.groups[g].device_type].memory_bytes - entry.transient_bytes
-        per_layer = entry.static_bytes + entry.activation_bytes * self.in_flight(j)
-        if free < per_layer:
-            return 0
-        return self.runs[r].count if per_layer <= 0 else min(self.runs[r].count, int(free // per_layer))
+        fits = self.runs[r].count
+        for q in self.slots:
+            capacity, _, _, entry = self.part(r, g, q)
+            free = capacity - entry.transient_bytes
+            per_layer = self.held(r, g, q, self.in_flight(j))
+            if free < per_layer:
+                return 0
+            if per_layer > 0:
+                fits = min(fits, int(free // per_layer))
+        return fits
 
     def add_group_split(self) -> None:
         G = range(len(self.groups))
@@ -287,10 +315,10 @@ class StageModel:
     def add_devices(self) -> None:
         for name, info in self.infos.items():
             used = pulp.lpSum(
-                grp.size * self.u[j, g]
+                grp.by_type[name] * self.u[j, g]
                 for j in range(self.J)
                 for g, grp in enumerate(self.groups)
-                if grp.device_type == name
+                if name in grp.by_type
             )
             self.lp += used <= info.devices, f"devices_{name}"
 
@@ -409,22 +437,21 @@ class StageModel:
         over every stage): per device type t, the bottleneck times its devices covers the
         device-seconds of its stages, N_t·T ≥ Σ_{j on t} size_j·t_j ≥ Σ_{r,j,g of t} size_g·τ·y;
         and the fill and drain take at least T."""
-        for t in self.types:
+        for t in self.infos:
             work = pulp.lpSum(
-                self.groups[g].size * self.entry(r, g).time_s * MS * y
+                self.groups[g].by_type[t] * self.entry(r, g).time_s * MS * y
                 for j in range(self.J)
                 for r, g, y in self._terms(j)
-                if self.groups[g].device_type == t
+                if t in self.groups[g].by_type
             )
             self.lp += self.infos[t].devices * self.T >= work, f"capacity_{t}"
             held = pulp.lpSum(
-                self.groups[g].size
-                * (self.entry(r, g).static_bytes + self.entry(r, g).activation_bytes * self.in_flight(j))
-                * GB
-                * y
+                size * self.held(r, g, q, self.in_flight(j)) * GB * y
                 for j in range(self.J)
                 for r, g, y in self._terms(j)
-                if self.groups[g].device_type == t
+                for q in range(len(self.groups[g].by_type))
+                for _, size, kind, _ in [self.part(r, g, q)]
+                if kind == t
             )
             if not self.repair:
                 self.lp += held <= self.infos[t].devices * self.infos[t].memory_bytes * GB, f"capacity_memory_{t}"
@@ -439,12 +466,11 @@ class StageModel:
             k = self.in_flight(j)
             for g, group in enumerate(self.groups):
                 terms = [(r, self.y[r, j, g]) for r in range(len(self.runs))]
-                held = pulp.lpSum(
-                    (self.entry(r, g).static_bytes + self.entry(r, g).activation_bytes * k) * GB * y for r, y in terms
-                )
-                capacity = self.infos[group.device_type].memory_bytes * GB
-                if not self.repair:
-                    self.lp += held <= capacity * self.u[j, g], f"group_memory_{j}_{g}"
+                for q in range(len(group.by_type)):
+                    held = pulp.lpSum(self.held(r, g, q, k) * GB * y for r, y in terms)
+                    capacity = self.part(0, g, q)[0] * GB
+                    if not self.repair:
+                        self.lp += held <= capacity * self.u[j, g], f"group_memory_{j}_{g}_{q}"
                 if bottleneck_limit_s is not None:
                     work = pulp.lpSum(self.entry(r, g).time_s * MS * y for r, y in terms)
                     self.lp += work <= bottleneck_limit_s * MS * self.u[j, g], f"group_time_{j}_{g}"
@@ -453,17 +479,13 @@ class StageModel:
         G = range(len(self.groups))
         for j in range(self.J):
             k = self.in_flight(j)
-            used = pulp.lpSum(
-                (self.entry(r, g).static_bytes + self.entry(r, g).activation_bytes * k) * GB * y
-                for r, g, y in self._terms(j)
-            )
-            capacity = pulp.lpSum(
-                self.infos[grp.device_type].memory_bytes * GB * self.u[j, g] for g, grp in enumerate(self.groups)
-            )
-            self.lp += used + self.X[j] <= capacity + self.Q, f"memory_{j}"
-            for r in range(len(self.runs)):
-                peak = pulp.lpSum(self.entry(r, g).transient_bytes * GB * self.v[r, j, g] for g in G)
-                self.lp += self.X[j] >= peak, f"transient_{r}_{j}"
+            for q in self.slots:
+                used = pulp.lpSum(self.held(r, g, q, k) * GB * y for r, g, y in self._terms(j))
+                capacity = pulp.lpSum(self.part(0, g, q)[0] * GB * self.u[j, g] for g in G)
+                self.lp += used + self.X[j, q] <= capacity + self.Q, f"memory_{j}_{q}"
+                for r in range(len(self.runs)):
+                    peak = pulp.lpSum(self.part(r, g, q)[3].transient_bytes * GB * self.v[r, j, g] for g in G)
+                    self.lp += self.X[j, q] >= peak, f"transient_{r}_{j}_{q}"
 
     def build(self, incumbent_s: float | None = None) -> StageModel:
         """All constraint families; ``incumbent_s`` (a known plan's step time) enables the
@@ -516,8 +538,9 @@ class StageModel:
                 self.P[j].varValue = self.send_s(last, types[j], types[j - 1]) * MS
         for j in range(S):
             g = self.groups.index(groups[S - 1 - j])
-            terms = [(r, g) for r in range(len(self.runs)) if (self.a[r, j].varValue or 0) > 0.5]
-            self.X[j].varValue = max(self.entry(r, g).transient_bytes * GB for r, _ in terms)
+            terms = [r for r in range(len(self.runs)) if (self.a[r, j].varValue or 0) > 0.5]
+            for q in self.slots:
+                self.X[j, q].varValue = max(self.part(r, g, q)[3].transient_bytes * GB for r in terms)
         for variable, expression in self.definitions:
             variable.varValue = pulp.value(expression) or 0.0
         for variable, expressions in self.bounds.values():

@@ -41,6 +41,11 @@ class KeptStage:
     devices: tuple[str, ...]
     seconds_per_byte: float  # over the slowest link out of its device type
 
+    @property
+    def state_type(self) -> str:
+        """A device type of the stage: its state's bytes (unsharded) are the same on any."""
+        return next(iter(self.group.by_type))
+
 
 @dataclass(frozen=True, slots=True)
 class Migration:
@@ -65,7 +70,11 @@ class Migration:
                 continue
             slowest = min(out, key=lambda link: link.bandwidth_bytes_per_s)
             group = GroupConfig(
-                device_type=stage.device_type, size=stage.tp * stage.dp, tp=stage.tp, recompute=stage.recompute
+                device_type=stage.device_type,
+                size=stage.tp * stage.dp,
+                tp=stage.tp,
+                recompute=stage.recompute,
+                parts=tuple(stage.parts),
             )
             kept.append(KeptStage(S - 1 - s, group, stage.layers, stage.devices, 1.0 / slowest.bandwidth_bytes_per_s))
         return cls(tuple(kept), horizon_steps)
@@ -89,7 +98,7 @@ class Migration:
             for signature, count in Counter(signatures[layer] for layer in k.layers).items():
                 layer = next(layer for layer in k.layers if signatures[layer] == signature)
                 moved = count - min(count, now[signature])
-                total += moved * table.state_bytes(layer, k.group.device_type) * k.seconds_per_byte
+                total += moved * table.state_bytes(layer, k.state_type) * k.seconds_per_byte
         return total / self.horizon_steps
 
     def add_to(self, sub: StageModel) -> None:
@@ -104,7 +113,7 @@ class Migration:
                 g = sub.groups.index(k.group)
             for r, count in Counter(run_of[layer] for layer in k.layers).items():
                 first = sub.runs[r].first
-                kappa = sub.table.state_bytes(first, k.group.device_type) * k.seconds_per_byte * MS / self.horizon_steps
+                kappa = sub.table.state_bytes(first, k.state_type) * k.seconds_per_byte * MS / self.horizon_steps
                 if not stay_possible:
                     term.append(kappa * count)
                     continue

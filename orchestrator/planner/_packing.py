@@ -19,7 +19,9 @@ microbatch exists only if this LP is feasible:
     Σ_r (σ[r,g] + α[r,g]·k_p)·x[r,g,p] ≤ (mem_g − ρ_g)·n[g,p]  memory (ρ_g: the least transient)
     x[r,g,p] ≤ min(f, ⌊T/τ[r,g]⌋)·n[g,p]                       whole layers of one run that fit
                 f = ⌊(mem_g − ρ[r,g]) / (σ + α·k_p)⌋            beside its transient, and compute within T
-    Σ_{p, g of type t} size_g·n[g,p] ≤ N_t                     devices
+    Σ_{p, g with a part of type t} size_t(g)·n[g,p] ≤ N_t       devices
+
+(a mixed group has the memory row and f of each of its two parts, each on its own type).
 
 (τ time, σ static, α activation and ρ transient memory of one layer per device, from the
 same :class:`CostTable` the ILP reads.)
@@ -80,21 +82,32 @@ class _BottleneckLP:
         # (row, column, f, τ): coefficient −min(f, ⌊T/τ⌋), the whole layers that fit and compute within T
         self.count_cells: list[tuple[int, int, int, float]] = []
         for g in range(G):
-            memory = bound.memory[g]
-            least_transient = bound.transient[:, g].min()
             for p, (_, k) in enumerate(buckets):
-                held = bound.static[:, g] + bound.activation[:, g] * k
                 self.compute_cells += [(len(rows), int(x[r, g, p]), float(bound.time[r, g])) for r in range(R)]
                 rows.append((np.r_[x[:, g, p], n[g, p]], np.r_[np.ones(R), -1.0], -math.inf, 0.0))
-                # memory in units of the device's memory
-                rows.append(
-                    (np.r_[x[:, g, p], n[g, p]], np.r_[held / memory, -(1 - least_transient / memory)], -math.inf, 0.0)
-                )
-                for r, run in enumerate(bound.runs):
-                    free = memory - bound.transient[r, g]
-                    fits = run.count if held[r] <= 0 else min(run.count, max(0, math.floor(free / held[r])))
-                    self.count_cells.append((len(rows), int(n[g, p]), fits, float(bound.time[r, g])))
-                    rows.append((np.array([x[r, g, p], n[g, p]]), np.array([1.0, -fits]), -math.inf, 0.0))
+                fits = [run.count for run in bound.runs]
+                for q in range(bound.parts):
+                    memory = bound.memory[q][g]
+                    held = bound.static[q][:, g] + bound.activation[q][:, g] * k
+                    least_transient = bound.transient[q][:, g].min()
+                    # memory in units of the device's memory
+                    rows.append(
+                        (
+                            np.r_[x[:, g, p], n[g, p]],
+                            np.r_[held / memory, -(1 - least_transient / memory)],
+                            -math.inf,
+                            0.0,
+                        )
+                    )
+                    for r in range(R):
+                        free = memory - bound.transient[q][r, g]
+                        if held[r] > 0:
+                            fits[r] = min(fits[r], max(0, math.floor(free / held[r])))
+                        elif free < 0:
+                            fits[r] = 0
+                for r in range(R):
+                    self.count_cells.append((len(rows), int(n[g, p]), fits[r], float(bound.time[r, g])))
+                    rows.append((np.array([x[r, g, p], n[g, p]]), np.array([1.0, -fits[r]]), -math.inf, 0.0))
         for p, (positions, _) in enumerate(buckets):
             rows.append((n[:, p], np.ones(G), -math.inf, float(positions)))
         # the fill: Z ≥ (compute upstream of bucket p) + M·(compute of bucket p)/(its width)
@@ -112,9 +125,9 @@ class _BottleneckLP:
             )
         columns += 1
         for t, info in bound.infos.items():
-            mine = [g for g in range(G) if bound.groups[g].device_type == t]
+            mine = [g for g in range(G) if t in bound.groups[g].by_type]
             if mine:
-                sizes = np.repeat([float(bound.groups[g].size) for g in mine], P)
+                sizes = np.repeat([float(bound.groups[g].by_type[t]) for g in mine], P)
                 rows.append((n[mine, :].ravel(), sizes, -math.inf, float(info.devices)))
         for r, run in enumerate(bound.runs):
             rows.append((x[r].ravel(), np.ones(G * P), float(run.count), float(run.count)))
@@ -184,10 +197,22 @@ class PackingBound:
             )
 
         self.time = per_run_and_group("time_s")
-        self.static = per_run_and_group("static_bytes")
-        self.activation = per_run_and_group("activation_bytes")
-        self.transient = per_run_and_group("transient_bytes")
-        self.memory = np.array([infos[g.device_type].memory_bytes for g in groups], dtype=float)
+        # memory per part: [q][r, g], q over the most parts a group has (a group of one type repeats its one)
+        parts = [[table.memory_parts(run.first, g, microbatches) for g in groups] for run in runs]
+        self.parts = max((len(g.by_type) for g in groups), default=1)
+
+        def per_part(q: int, field: str) -> np.ndarray:
+            return np.array(
+                [[getattr(row[min(q, len(row) - 1)][1], field) for row in cells] for cells in parts], dtype=float
+            ).reshape(len(runs), len(groups))
+
+        self.static = [per_part(q, "static_bytes") for q in range(self.parts)]
+        self.activation = [per_part(q, "activation_bytes") for q in range(self.parts)]
+        self.transient = [per_part(q, "transient_bytes") for q in range(self.parts)]
+        self.memory = [
+            np.array([row[min(q, len(row) - 1)][0] for row in parts[0]], dtype=float) if runs else np.zeros(0)
+            for q in range(self.parts)
+        ]
         self.in_flight = [in_flight(schedule, microbatches, max_stages, max_stages - 1 - p) for p in range(max_stages)]
         self._lps: dict[int, _BottleneckLP] = {}
 

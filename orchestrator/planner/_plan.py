@@ -25,13 +25,19 @@ class Stage:
 
     Attributes:
       layers: indices of its (contiguous) layers.
-      device_type: the type of all its devices.
+      device_type: the type of all its devices; for a stage on two types, their names joined
+        by "+" (``"a100+v100"``), with ``parts`` and ``shares`` set.
       devices: device refs (``host/index``), tp·dp of them, replica-major: data-parallel
-        replica r is ``devices[r·tp:(r+1)·tp]``, one tensor-parallel group inside one host.
+        replica r is ``devices[r·tp:(r+1)·tp]``, one tensor-parallel group inside one host
+        (on two types: the first type's replicas, then the second's).
       tp, dp: tensor- and data-parallel degrees.
       recompute: whether it recomputes its forward pass in the backward pass.
       zero: whether its optimizer state is sharded over its data-parallel replicas (ZeRO-1).
-      microbatch_size: samples per microbatch on each data-parallel replica.
+      microbatch_size: samples per microbatch on each data-parallel replica (on two types: on
+        each replica of the first).
+      parts: on two types, ((type, devices), (type, devices)); else empty.
+      shares: on two types, the samples per microbatch on each replica of each part (the faster
+        type takes more); else empty.
       time_s: seconds per microbatch: forward + backward (compute and TP
         communication) + sending the activation to the next stage and
         receiving its gradient back (``2 · send_s``).
@@ -59,6 +65,13 @@ class Stage:
     dp_sync_s: float = 0.0
     optimizer_s: float = 0.0
     zero: bool = False
+    parts: tuple[tuple[str, int], ...] = ()
+    shares: tuple[int, ...] = ()
+
+    @property
+    def devices_text(self) -> str:
+        """``"16 × a100"``, or ``"8 × a100 + 8 × v100"`` on two types."""
+        return " + ".join(f"{n} × {kind}" for kind, n in (self.parts or ((self.device_type, len(self.devices)),)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,14 +107,32 @@ class Plan:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        data["stages"] = [{**asdict(s), "layers": list(s.layers), "devices": list(s.devices)} for s in self.stages]
+        data["stages"] = [
+            {
+                **asdict(s),
+                "layers": list(s.layers),
+                "devices": list(s.devices),
+                "parts": [list(part) for part in s.parts],
+                "shares": list(s.shares),
+            }
+            for s in self.stages
+        ]
         data["notes"] = list(self.notes)
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
         stages = tuple(
-            Stage(**{**s, "layers": tuple(s["layers"]), "devices": tuple(s["devices"])}) for s in data["stages"]
+            Stage(
+                **{
+                    **s,
+                    "layers": tuple(s["layers"]),
+                    "devices": tuple(s["devices"]),
+                    "parts": tuple((kind, n) for kind, n in s.get("parts", ())),
+                    "shares": tuple(s.get("shares", ())),
+                }
+            )
+            for s in data["stages"]
         )
         return cls(**{**data, "stages": stages, "notes": tuple(data.get("notes", ()))})
 
@@ -129,11 +160,11 @@ class Plan:
             table.add_row(
                 str(i),
                 f"{s.layers[0]}–{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
-                f"{len(s.devices)} × {s.device_type}",
+                s.devices_text,
                 str(s.tp),
                 f"{s.dp} (ZeRO)" if s.zero else str(s.dp),
                 "yes" if s.recompute else "no",
-                str(s.microbatch_size),
+                "/".join(map(str, s.shares)) if s.shares else str(s.microbatch_size),
                 f"{s.time_s * 1e3:.2f} ms{marker}",
                 f"{s.memory_bytes / 1e9:.2f} GB",
             )

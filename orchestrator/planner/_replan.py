@@ -71,7 +71,17 @@ def cached_plan(model, **settings) -> Plan:
 
 
 def _group_of(stage) -> GroupConfig:
-    return GroupConfig(device_type=stage.device_type, size=stage.tp * stage.dp, tp=stage.tp, recompute=stage.recompute)
+    return GroupConfig(
+        device_type=stage.device_type,
+        size=stage.tp * stage.dp,
+        tp=stage.tp,
+        recompute=stage.recompute,
+        parts=tuple(stage.parts),
+    )
+
+
+def _fits(group: GroupConfig, free: Counter) -> bool:
+    return all(n <= free[kind] for kind, n in group.by_type.items())
 
 
 def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, limit: int = 4096):
@@ -84,7 +94,7 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
     M, S = previous.microbatches, len(previous.stages)
     lost = [s for s in range(S) if s not in kept]
     options = [
-        [g for g in space.groups if g.size <= free[g.device_type] and space.table.microbatch(g, M) is not None]
+        [g for g in space.groups if _fits(g, free) and space.table.microbatch(g, M) is not None]
         for _ in lost
     ]
     if math.prod(len(o) for o in options) > limit:
@@ -94,7 +104,7 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
     for choice in itertools.product(*options):
         use = Counter()
         for g in choice:
-            use[g.device_type] += g.size
+            use.update(g.by_type)
         if any(n > free[t] for t, n in use.items()):
             continue
         groups = [_group_of(stage) for stage in previous.stages]
@@ -129,7 +139,7 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     kept = [s for s, stage in enumerate(previous.stages) if set(stage.devices) <= alive_refs]
     free = Counter(d.device_type for d in alive)
     for s in kept:
-        free[previous.stages[s].device_type] -= len(previous.stages[s].devices)
+        free.subtract(_group_of(previous.stages[s]).by_type)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
 
     def score(ev, split, groups) -> float:
@@ -140,7 +150,7 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     if replaced is not None:
         return replaced
     kept_groups = {_group_of(previous.stages[s]) for s in kept}
-    groups = [g for g in space.groups if g in kept_groups or g.size <= free[g.device_type]]
+    groups = [g for g in space.groups if g in kept_groups or _fits(g, free)]
     for fix_layers in (True, False):
         sub = StageModel(
             runs=space.runs,
@@ -195,6 +205,7 @@ def replan(
     horizon_steps: int | None = 1000,
     widen: bool = True,
     certify: bool = True,
+    mixed_stages: bool = True,
 ) -> Plan:
     """A new plan for ``model`` (a changed cluster or changed costs), reusing ``previous``.
 
@@ -205,7 +216,8 @@ def replan(
     computing the bound prices every group at every microbatch count, which on a large
     model takes longer than the repair). With ``horizon_steps`` the objective adds the state
     that must move off surviving stages, amortised over that many steps (``_migration``);
-    None leaves it out. ``solve_s`` of the result covers the whole re-plan.
+    None leaves it out. ``solve_s`` of the result covers the whole re-plan. ``mixed_stages`` as
+    for :func:`plan` (the executor's callers pass False).
 
     Raises:
       PlanInfeasible, PlanNotFound: as :func:`plan` (``widen=False``: PlanNotFound when the
@@ -220,6 +232,7 @@ def replan(
         "gap": gap,
         "recompute": recompute,
         "zero": any(stage.zero for stage in previous.stages),  # the new plan trains as the old one did
+        "mixed_stages": mixed_stages,
     }
     key = fingerprint(
         model,
@@ -233,7 +246,9 @@ def replan(
     )
     if key in _CACHE:
         return _CACHE[key]
-    space = search_space(model, settings["global_batch"], recompute=recompute, zero=settings["zero"])
+    space = search_space(
+        model, settings["global_batch"], recompute=recompute, zero=settings["zero"], mixed=mixed_stages
+    )
     migration = Migration.from_plan(previous, model, space.links, horizon_steps) if horizon_steps else None
     repaired = _repair(previous, model, space, settings, max(0.2, time_limit_s / 4), migration)
     alive = {d.ref for d in model.cluster.devices()}

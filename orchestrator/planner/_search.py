@@ -34,7 +34,15 @@ from orchestrator.cluster import Cluster, Link
 from orchestrator.costs import CostModel
 from orchestrator.planner._diagnose import binding_notes, infeasibility_message
 from orchestrator.planner._evaluate import Evaluation, evaluate
-from orchestrator.planner._groups import GroupConfig, TypeInfo, group_configs, pair_links, type_infos
+from orchestrator.planner._groups import (
+    GroupConfig,
+    TypeInfo,
+    group_configs,
+    mixed_group_configs,
+    pair_links,
+    type_infos,
+    with_mixed_links,
+)
 from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs, simple_bound_s, undominated
 from orchestrator.planner._migration import Migration
 from orchestrator.planner._packing import PackingBound
@@ -69,14 +77,20 @@ class SearchSpace:
     layers: int
 
 
-def search_space(model: CostModel, global_batch: int, *, recompute: bool, zero: bool = False) -> SearchSpace:
+def search_space(
+    model: CostModel, global_batch: int, *, recompute: bool, zero: bool = False, mixed: bool = True
+) -> SearchSpace:
+    """``mixed``: also offer groups that join hosts of two device types (``_groups``)."""
     infos = type_infos(model.cluster)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
+    settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
+    groups = group_configs(infos, **settings) + (mixed_group_configs(infos, **settings) if mixed else [])
+    links = pair_links(model.cluster, infos)
     return SearchSpace(
         infos=infos,
-        groups=group_configs(infos, recompute=recompute, tensor_parallel=model.tensor_parallel),
-        table=CostTable(model, infos, global_batch, zero=zero),
-        links=pair_links(model.cluster, infos),
+        groups=groups,
+        table=CostTable(model, infos, global_batch, zero=zero, links=links),
+        links=with_mixed_links(links, groups),
         runs=layer_runs(keys),
         layers=len(model.layers),
     )
@@ -95,6 +109,7 @@ def _allocate(
         group = groups[index] if index < len(groups) else None
         if (
             group is not None
+            and not group.mixed
             and wanted
             and len(wanted) == group.size
             and all(kinds.get(d) == group.device_type for d in wanted)
@@ -110,23 +125,26 @@ def _allocate(
         if out[index] is not None:
             continue
         group = groups[index]
-        hosts = free[group.device_type]
-        picked: list[str] = []
-        for refs in sorted(hosts, key=len, reverse=group.size > min(len(h) for h in hosts)):
-            take = min(len(refs), group.size - len(picked))
-            take -= take % group.tp  # a tensor-parallel group never spans two hosts
-            if take and (group.size <= len(refs) or take == len(refs) - len(refs) % group.tp):
-                picked += refs[:take]
-                del refs[:take]
-            if len(picked) == group.size:
-                break
-        if len(picked) < group.size:
-            raise PlanInfeasible(
-                f"cannot place {group.size} {group.device_type} devices with tensor parallelism {group.tp} inside "
-                "hosts: too many devices are out of service on partly available hosts (mark whole hosts unavailable)"
-            )
-        out[index] = tuple(picked)
+        # a mixed group: its first type's replicas, then its second's
+        out[index] = tuple(ref for kind, size in group.by_type.items() for ref in _take(free[kind], kind, size, group.tp))
     return out  # type: ignore[return-value]
+
+
+def _take(hosts: list[list[str]], kind: str, size: int, tp: int) -> list[str]:
+    """``size`` free devices from ``hosts`` (lists of free refs, taken from), each run of ``tp`` in one host."""
+    picked: list[str] = []
+    for refs in sorted(hosts, key=len, reverse=size > min(len(h) for h in hosts)):
+        take = min(len(refs), size - len(picked))
+        take -= take % tp  # a tensor-parallel group never spans two hosts
+        if take and (size <= len(refs) or take == len(refs) - len(refs) % tp):
+            picked += refs[:take]
+            del refs[:take]
+        if len(picked) == size:
+            return picked
+    raise PlanInfeasible(
+        f"cannot place {size} {kind} devices with tensor parallelism {tp} inside "
+        "hosts: too many devices are out of service on partly available hosts (mark whole hosts unavailable)"
+    )
 
 
 def _relaxation_bound(lp, *, time_limit_s: float) -> float:
@@ -299,6 +317,7 @@ def plan(
     prefer_devices: list[tuple[str, ...] | None] | None = None,
     migration: Migration | None = None,
     zero: bool = False,
+    mixed_stages: bool = True,
 ) -> Plan:
     """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
 
@@ -331,6 +350,9 @@ def plan(
         over its replicas (less memory, and the update split; its gradient sync becomes a
         reduce-scatter and an all-gather, in the ring model the cost of the all-reduce it
         replaces). Off by default, as in the executor; the stages record it (``Stage.zero``).
+      mixed_stages: also consider stages on hosts of two device types, each type's replicas
+        with its own batch share (``_groups``, ``CostTable``). The executor runs one SPMD program
+        per stage, which cannot give replicas uneven shares: plan with False to execute.
 
     Raises:
       PlanInfeasible: no plan fits (proven); the message names the binding constraint and
@@ -344,7 +366,7 @@ def plan(
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     started = time.perf_counter()
     cluster = model.cluster
-    space = search_space(model, global_batch, recompute=recompute, zero=zero)
+    space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed_stages)
     L = space.layers
     max_stages = min(max_stages or 16, L, len(cluster.devices()))
     candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
@@ -537,6 +559,8 @@ def make_plan(
             recompute=g.recompute,
             zero=space.table.zero and g.dp > 1,
             microbatch_size=space.table.microbatch(g, M),
+            parts=g.parts,
+            shares=space.table.shares(g, M) if g.mixed else (),
             time_s=ev.stage_time_s[s],
             memory_bytes=ev.stage_memory_bytes[s],
             forward_s=ev.stage_forward_s[s],

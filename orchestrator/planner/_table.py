@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
+from orchestrator.cluster import Link
 from orchestrator.costs import CostModel, ParallelConfig, all_reduce_s, p2p_s
-from orchestrator.planner._groups import GroupConfig, TypeInfo, group_links
+from orchestrator.planner._groups import GroupConfig, TypeInfo, group_links, slowest
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,15 +22,38 @@ class Entry:
     transient_bytes: float
     dp_sync_s: float
     optimizer_s: float
+    # a mixed group's entry: one entry per part (its own memory, on its own type); the group's
+    # memory fields are then NaN, so a reader that forgets the parts fails instead of using one
+    parts: tuple[Entry, ...] = ()
 
 
 class CostTable:
     """Lazily filled table of :class:`Entry` by (layer, group, M). With ``zero``, every group with
-    data parallelism shards its optimizer state over its replicas (ZeRO-1)."""
+    data parallelism shards its optimizer state over its replicas (ZeRO-1).
 
-    def __init__(self, model: CostModel, infos: dict[str, TypeInfo], global_batch: int, *, zero: bool = False):
+    A mixed group's replicas on type k each take b_k samples of a microbatch of P samples
+    (Σ_k dp_k·b_k = P, every b_k ≥ 1), chosen to balance the whole model: the b minimising
+    max_k Σ_ℓ τ_k(ℓ, b_k). Its parts meet after each layer's forward and after its backward, so
+    a layer's forward is the slower part's forward, likewise the backward, and the time is their
+    sum (an over-estimate where the parts would run apart; exact when one part is the slower in
+    every layer). Gradient sync spans all its replicas over the slowest link between its types;
+    memory is each part's own, on its own type.
+    """
+
+    def __init__(
+        self,
+        model: CostModel,
+        infos: dict[str, TypeInfo],
+        global_batch: int,
+        *,
+        zero: bool = False,
+        links: dict[tuple[str, str], Link] | None = None,
+    ):
+        """``links``: the slowest link between two types (``pair_links``), needed for mixed groups."""
         self.model, self.infos, self.global_batch, self.zero = model, infos, global_batch, zero
+        self.links = links or {}
         self._entries: dict = {}
+        self._shares: dict = {}
         # identical layers (same signature and output size) share every entry
         first: dict = {}
         self._representative = [
@@ -36,33 +62,96 @@ class CostTable:
         ]
 
     def microbatch(self, group: GroupConfig, microbatches: int) -> int | None:
-        """Samples per replica per microbatch, or None if the batch does not divide."""
+        """Samples per replica per microbatch (a mixed group's first part's), or None if the
+        batch does not divide."""
+        shares = self.shares(group, microbatches)
+        return None if shares is None else shares[0]
+
+    def shares(self, group: GroupConfig, microbatches: int) -> tuple[int, ...] | None:
+        """Samples per replica per microbatch on each part of the group (one for a group of one
+        type), or None if the batch does not divide."""
         per_microbatch, rest = divmod(self.global_batch, microbatches)
-        if rest or per_microbatch % group.dp:
+        if rest:
             return None
-        return per_microbatch // group.dp
+        if not group.mixed:
+            return None if per_microbatch % group.dp else (per_microbatch // group.dp,)
+        key = (group, microbatches)
+        if key not in self._shares:
+            self._shares[key] = self._balanced_shares(group, per_microbatch)
+        return self._shares[key]
+
+    def _balanced_shares(self, group: GroupConfig, samples: int) -> tuple[int, ...] | None:
+        (first, n0), (second, n1) = group.parts
+        dp0, dp1 = n0 // group.tp, n1 // group.tp
+        layers = range(len(self.model.layers))
+        best, chosen = math.inf, None
+        for b0 in range(1, samples // dp0 + 1):
+            b1, rest = divmod(samples - dp0 * b0, dp1)
+            if rest or b1 < 1:
+                continue
+            slower = max(
+                sum(self._part(layer, group, kind, b).time_s for layer in layers)
+                for kind, b in ((first, b0), (second, b1))
+            )
+            if slower < best:
+                best, chosen = slower, (b0, b1)
+        return chosen
 
     def entry(self, layer: int, group: GroupConfig, microbatches: int) -> Entry:
         layer = self._representative[layer]
         key = (layer, group, microbatches)
         if key not in self._entries:
-            m = self.microbatch(group, microbatches)
-            info = self.infos[group.device_type]
+            shares = self.shares(group, microbatches)
+            if not group.mixed:
+                self._entries[key] = self._part(layer, group, group.device_type, shares[0])
+            else:
+                parts = tuple(self._part(layer, group, kind, b) for (kind, _), b in zip(group.parts, shares))
+                forward = max(p.forward_s for p in parts)
+                nan = math.nan
+                self._entries[key] = Entry(
+                    time_s=forward + max(p.time_s - p.forward_s for p in parts),
+                    forward_s=forward,
+                    static_bytes=nan,
+                    activation_bytes=nan,
+                    transient_bytes=nan,
+                    dp_sync_s=max(p.dp_sync_s for p in parts),
+                    optimizer_s=max(p.optimizer_s for p in parts),
+                    parts=parts,
+                )
+        return self._entries[key]
+
+    def memory_parts(self, layer: int, group: GroupConfig, microbatches: int) -> list[tuple[float, Entry]]:
+        """(device memory, entry) of each part of the group: one pair for a group of one type."""
+        entry = self.entry(layer, group, microbatches)
+        if not group.mixed:
+            return [(self.infos[group.device_type].memory_bytes, entry)]
+        return [(self.infos[kind].memory_bytes, part) for (kind, _), part in zip(group.parts, entry.parts)]
+
+    def _part(self, layer: int, group: GroupConfig, kind: str, samples: int) -> Entry:
+        """One device type's replicas of ``group`` at ``samples`` per replica per microbatch."""
+        key = ("part", self._representative[layer], group, kind, samples)
+        if key in self._entries:
+            return self._entries[key]
+        info = self.infos[kind]
+        if group.mixed:  # tensor parallelism within a host; the replicas span both types
+            tp_link = info.intra_link
+            dp_link = slowest([self.links[t, t2] for t in group.by_type for t2 in group.by_type])
+        else:
             tp_link, dp_link = group_links(group, info)
-            config = ParallelConfig(
-                tp=group.tp, dp=group.dp, microbatch_size=m, recompute=group.recompute, zero=self.zero and group.dp > 1
-            )
-            cost = self.model.layer_cost(layer, group.device_type, config, tp_link=tp_link, dp_link=dp_link)
-            tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)
-            self._entries[key] = Entry(
-                time_s=cost.forward_s + cost.backward_s + cost.tp_comm_s,
-                forward_s=cost.forward_s + tp_forward_s,
-                static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
-                activation_bytes=cost.activation_bytes,
-                transient_bytes=cost.transient_bytes,
-                dp_sync_s=cost.dp_sync_s,
-                optimizer_s=cost.optimizer_s,
-            )
+        config = ParallelConfig(
+            tp=group.tp, dp=group.dp, microbatch_size=samples, recompute=group.recompute, zero=self.zero and group.dp > 1
+        )
+        cost = self.model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link)
+        tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)
+        self._entries[key] = Entry(
+            time_s=cost.forward_s + cost.backward_s + cost.tp_comm_s,
+            forward_s=cost.forward_s + tp_forward_s,
+            static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
+            activation_bytes=cost.activation_bytes,
+            transient_bytes=cost.transient_bytes,
+            dp_sync_s=cost.dp_sync_s,
+            optimizer_s=cost.optimizer_s,
+        )
         return self._entries[key]
 
     def state_bytes(self, layer: int, device_type: str) -> float:

@@ -76,11 +76,11 @@ def render_html(plan: Plan, timeline: Timeline, *, title: str = "Orchestrator pl
             [
                 str(k),
                 layers,
-                f"{len(st.devices)} × {st.device_type}: {', '.join(st.devices)}",
+                f"{st.devices_text}: {', '.join(st.devices)}",
                 str(st.tp),
                 str(st.dp),
                 "yes" if st.recompute else "no",
-                str(st.microbatch_size),
+                "/".join(map(str, st.shares)) if st.shares else str(st.microbatch_size),
                 _ms(st.forward_s),
                 _ms(backward),
                 _ms(st.send_s),

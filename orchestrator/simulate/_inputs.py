@@ -79,12 +79,30 @@ def sync_ring(stage: Stage) -> tuple[str, ...]:
     return tuple(sorted(links))
 
 
+def replica_bounds(stage: Stage) -> list[tuple[float, float]]:
+    """The part of the microbatch each data-parallel replica holds, as [start, end) fractions:
+    equal parts, or on two device types each part's replicas their share (``Stage.shares``)."""
+    if not stage.shares:
+        return [(r / stage.dp, (r + 1) / stage.dp) for r in range(stage.dp)]
+    samples = [b for (_, n), b in zip(stage.parts, stage.shares) for _ in range(n // stage.tp)]
+    total, start, out = sum(samples), 0, []
+    for b in samples:
+        out.append((start / total, (start + b) / total))
+        start += b
+    return out
+
+
+def device_types(stage: Stage) -> list[str]:
+    """The type each of the stage's devices should be (``devices`` order)."""
+    return [kind for kind, n in stage.parts for _ in range(n)] if stage.parts else [stage.device_type] * len(stage.devices)
+
+
 def _pairs(a: Stage, b: Stage) -> list[tuple[str, str, float]]:
     """(device of a, device of b, fraction of the microbatch) for every replica pair that shares samples."""
     out = []
-    for j, ra in enumerate(replicas(a)):
-        for k, rb in enumerate(replicas(b)):
-            lo, hi = max(j / a.dp, k / b.dp), min((j + 1) / a.dp, (k + 1) / b.dp)
+    for ra, (a_lo, a_hi) in zip(replicas(a), replica_bounds(a)):
+        for rb, (b_lo, b_hi) in zip(replicas(b), replica_bounds(b)):
+            lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
             if hi > lo:
                 out.append((ra[0], rb[0], hi - lo))
     return out
@@ -163,12 +181,12 @@ def _check_model(plan: Plan, model) -> None:
         )
     devices = {d.ref: d for d in model.cluster.all_devices()}
     for s, st in enumerate(plan.stages):
-        for ref in st.devices:
+        for ref, kind in zip(st.devices, device_types(st)):
             if ref not in devices:
                 raise ValueError(f"stage {s} uses device {ref!r}, which cluster {model.cluster.name!r} does not have")
-            if devices[ref].device_type != st.device_type:
+            if devices[ref].device_type != kind:
                 raise ValueError(
-                    f"stage {s} expects {st.device_type!r} devices but {ref} of cluster {model.cluster.name!r} "
+                    f"stage {s} expects {kind!r} devices but {ref} of cluster {model.cluster.name!r} "
                     f"is a {devices[ref].device_type!r}: the plan was made for another cluster"
                 )
 
@@ -183,13 +201,19 @@ def _links(st: Stage, model):
 
 
 def _layer_costs(plan: Plan, st: Stage, model):
+    """Per-layer backward shares and gradient-sync buckets, and memory per device. On two device
+    types each layer takes the slower part's backward and sync, and each memory term the larger
+    part's (a bound on both parts' peaks)."""
     from orchestrator.costs import ParallelConfig, all_reduce_s
 
     tp_link, dp_link = _links(st, model)
-    config = ParallelConfig(
-        tp=st.tp, dp=st.dp, microbatch_size=st.microbatch_size, recompute=st.recompute, zero=st.zero
-    )
-    costs = [model.layer_cost(layer, st.device_type, config, tp_link=tp_link, dp_link=dp_link) for layer in st.layers]
+    parts = st.parts or ((st.device_type, len(st.devices)),)
+    shares = st.shares or (st.microbatch_size,)
+    per_part = []
+    for (kind, _), samples in zip(parts, shares):
+        config = ParallelConfig(tp=st.tp, dp=st.dp, microbatch_size=samples, recompute=st.recompute, zero=st.zero)
+        per_part.append([model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link) for layer in st.layers])
+    costs = [max(layer, key=lambda c: c.backward_s + c.tp_comm_s) for layer in zip(*per_part)]
     backward = []
     for cost in costs:
         tp_forward = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), st.tp, tp_link) if tp_link else 0.0
@@ -204,9 +228,9 @@ def _layer_costs(plan: Plan, st: Stage, model):
         )
         for layer, b, c in reversed(list(zip(st.layers, backward, costs)))
     )
-    static = sum(c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in costs)
-    activation = sum(c.activation_bytes for c in costs)
-    transient = max(c.transient_bytes for c in costs)
+    static = max(sum(c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in part) for part in per_part)
+    activation = max(sum(c.activation_bytes for c in part) for part in per_part)
+    transient = max(c.transient_bytes for part in per_part for c in part)
     return buckets, (static, activation, transient)
 
 

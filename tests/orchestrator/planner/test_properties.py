@@ -44,18 +44,18 @@ def test_every_plan_is_valid(layers, types, hosts, per_host, batch):
     infos = type_infos(cluster)
     for index, stage in enumerate(found.stages):
         assert len(stage.devices) == stage.tp * stage.dp
-        assert all(known[d].device_type == stage.device_type for d in stage.devices)
-        assert stage.microbatch_size * stage.dp * found.microbatches == batch
+        # a stage on two types lists each part's devices in turn, each part's replicas with its own share
+        parts = stage.parts or ((stage.device_type, len(stage.devices)),)
+        shares = stage.shares or (stage.microbatch_size,)
+        assert [known[d].device_type for d in stage.devices] == [kind for kind, n in parts for _ in range(n)]
+        assert sum(n // stage.tp * b for (_, n), b in zip(parts, shares)) * found.microbatches == batch
         # memory recomputed from the cost model, independently of the planner's own bookkeeping
-        group = GroupConfig(
-            device_type=stage.device_type, size=len(stage.devices), tp=stage.tp, recompute=stage.recompute
-        )
-        tp_link, dp_link = group_links(group, infos[stage.device_type])
-        config = ParallelConfig(
-            tp=stage.tp, dp=stage.dp, microbatch_size=stage.microbatch_size, recompute=stage.recompute
-        )
-        costs = [model.layer_cost(l, stage.device_type, config, tp_link=tp_link, dp_link=dp_link) for l in stage.layers]
-        k = in_flight(found.schedule, found.microbatches, len(found.stages), index)
-        memory = sum(c.param_bytes + c.grad_bytes + c.optimizer_bytes + c.activation_bytes * k for c in costs)
-        memory += max(c.transient_bytes for c in costs)
-        assert memory <= cluster.device_types[stage.device_type].memory_bytes * (1 + 1e-9)
+        for (kind, n), samples in zip(parts, shares):
+            group = GroupConfig(device_type=kind, size=n, tp=stage.tp, recompute=stage.recompute)
+            tp_link, dp_link = group_links(group, infos[kind])
+            config = ParallelConfig(tp=stage.tp, dp=stage.dp, microbatch_size=samples, recompute=stage.recompute)
+            costs = [model.layer_cost(l, kind, config, tp_link=tp_link, dp_link=dp_link) for l in stage.layers]
+            k = in_flight(found.schedule, found.microbatches, len(found.stages), index)
+            memory = sum(c.param_bytes + c.grad_bytes + c.optimizer_bytes + c.activation_bytes * k for c in costs)
+            memory += max(c.transient_bytes for c in costs)
+            assert memory <= cluster.device_types[kind].memory_bytes * (1 + 1e-9)
