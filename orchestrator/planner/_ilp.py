@@ -329,14 +329,15 @@ class StageModel:
                 nxt = self.a[r + 1, j] if r + 1 < R else 0
                 self.lp += self.e[r, j] >= self.a[r, j] - nxt, f"last_run_{r}_{j}"
         for j in range(1, self.J):
-            for t in self.types:
-                for t2 in self.types:
-                    c = self.c[j, t, t2] = self.lp.add_variable(f"c_{j}_{t}_{t2}", 0, 1)
-                    self.lp += c >= self.on_type[j, t] + self.on_type[j - 1, t2] - 1, f"neighbours_{j}_{t}_{t2}"
+            # named by index: type names may hold characters (a mixed group's "+") that names cannot
+            for i, t in enumerate(self.types):
+                for i2, t2 in enumerate(self.types):
+                    c = self.c[j, t, t2] = self.lp.add_variable(f"c_{j}_{i}_{i2}", 0, 1)
+                    self.lp += c >= self.on_type[j, t] + self.on_type[j - 1, t2] - 1, f"neighbours_{j}_{i}_{i2}"
                     for r in range(R):
                         send = self.send_s(r, t, t2) * MS
                         if send > 0:
-                            self.lp += self.P[j] >= send * (self.e[r, j] + c - 1), f"transfer_{j}_{r}_{t}_{t2}"
+                            self.lp += self.P[j] >= send * (self.e[r, j] + c - 1), f"transfer_{j}_{r}_{i}_{i2}"
 
     def send_s(self, r: int, source: str, target: str) -> float:
         return self.table.send_s(self.runs[r].count + self.runs[r].first - 1, self.M, self.links[source, target])

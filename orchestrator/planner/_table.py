@@ -81,21 +81,30 @@ class CostTable:
         return self._shares[key]
 
     def _balanced_shares(self, group: GroupConfig, samples: int) -> tuple[int, ...] | None:
+        """The (b0, b1) with dp0·b0 + dp1·b1 = samples, both ≥ 1, minimising the slower part's time
+        over the whole model. The first part's time grows with b0 and the second's falls, so the
+        best b0 is next to where they cross: a bisection over the valid b0, which step by
+        dp1 / gcd(dp0, dp1), finds it in O(log samples) cost evaluations."""
         (first, n0), (second, n1) = group.parts
         dp0, dp1 = n0 // group.tp, n1 // group.tp
+        valid = [b0 for b0 in range(1, samples // dp0 + 1) if (samples - dp0 * b0) % dp1 == 0 and samples > dp0 * b0]
+        if not valid:
+            return None
         layers = range(len(self.model.layers))
-        best, chosen = math.inf, None
-        for b0 in range(1, samples // dp0 + 1):
-            b1, rest = divmod(samples - dp0 * b0, dp1)
-            if rest or b1 < 1:
-                continue
-            slower = max(
-                sum(self._part(layer, group, kind, b).time_s for layer in layers)
-                for kind, b in ((first, b0), (second, b1))
+
+        def times(b0: int) -> tuple[float, float]:
+            b1 = (samples - dp0 * b0) // dp1
+            return tuple(
+                sum(self._part(l, group, kind, b).time_s for l in layers) for kind, b in ((first, b0), (second, b1))
             )
-            if slower < best:
-                best, chosen = slower, (b0, b1)
-        return chosen
+
+        lo, hi = 0, len(valid) - 1  # the first index where part 0 is the slower one
+        while lo < hi:
+            mid = (lo + hi) // 2
+            t0, t1 = times(valid[mid])
+            lo, hi = (lo, mid) if t0 >= t1 else (mid + 1, hi)
+        best = min(valid[max(0, lo - 1) : lo + 1], key=lambda b0: (max(times(b0)), b0))
+        return best, (samples - dp0 * best) // dp1
 
     def entry(self, layer: int, group: GroupConfig, microbatches: int) -> Entry:
         layer = self._representative[layer]
@@ -139,7 +148,11 @@ class CostTable:
         else:
             tp_link, dp_link = group_links(group, info)
         config = ParallelConfig(
-            tp=group.tp, dp=group.dp, microbatch_size=samples, recompute=group.recompute, zero=self.zero and group.dp > 1
+            tp=group.tp,
+            dp=group.dp,
+            microbatch_size=samples,
+            recompute=group.recompute,
+            zero=self.zero and group.dp > 1,
         )
         cost = self.model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link)
         tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)
