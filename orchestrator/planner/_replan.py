@@ -38,7 +38,7 @@ from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import StageModel, in_flight, simple_bound_s
 from orchestrator.planner._migration import Migration
 from orchestrator.planner._plan import Plan, PlanNotFound
-from orchestrator.planner._search import DEFAULT_MICROBATCHES, make_plan, plan, search_space
+from orchestrator.planner._search import DEFAULT_MICROBATCHES, make_plan, offers_mixed, plan, search_space
 from orchestrator.solver import solve
 
 _CACHE: dict[str, Plan] = {}
@@ -93,10 +93,7 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
 
     M, S = previous.microbatches, len(previous.stages)
     lost = [s for s in range(S) if s not in kept]
-    options = [
-        [g for g in space.groups if _fits(g, free) and space.table.microbatch(g, M) is not None]
-        for _ in lost
-    ]
+    options = [[g for g in space.groups if _fits(g, free) and space.table.microbatch(g, M) is not None] for _ in lost]
     if math.prod(len(o) for o in options) > limit:
         return None
     previous_split = [list(stage.layers) for stage in previous.stages]
@@ -205,7 +202,7 @@ def replan(
     horizon_steps: int | None = 1000,
     widen: bool = True,
     certify: bool = True,
-    mixed_stages: bool = True,
+    mixed_stages: bool | None = None,
 ) -> Plan:
     """A new plan for ``model`` (a changed cluster or changed costs), reusing ``previous``.
 
@@ -223,6 +220,7 @@ def replan(
       PlanInfeasible, PlanNotFound: as :func:`plan` (``widen=False``: PlanNotFound when the
         repair finds nothing).
     """
+    mixed_stages = offers_mixed(model.cluster, mixed_stages)
     started = time.perf_counter()
     settings = {
         "global_batch": global_batch or previous.global_batch,

@@ -60,6 +60,10 @@ DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIP_OPTIONS = {"presolve": "off"}
 # the first pass gives each (M, S) piece at most this long; what is left then goes to the open ones
 FIRST_PASS_S = 0.2
+# mixed groups (two device types per stage) are offered by default on clusters of at most this many
+# hosts: on mixed-4type-512 (64 hosts) their 240 extra groups, each costed at every M, took the
+# 10 s budget of GPT-175B (session 10: packing bounds for 2 of 9 M, gap 73% instead of 16%)
+MIXED_HOSTS = 16
 # each M's whole-model LP relaxation gets at most this long: the bound of its pieces never reached
 # (gpt-13b × mixed-4type-64: 70.2 s against the 32.0 s capacity bound, 0.7–2.5 s per M)
 RELAXATION_S = 2.0
@@ -96,6 +100,13 @@ def search_space(
     )
 
 
+def offers_mixed(cluster: Cluster, mixed_stages: bool | None) -> bool:
+    """``mixed_stages``, or when None whether the cluster is small enough (``MIXED_HOSTS``)."""
+    if mixed_stages is None:
+        return len({d.host for d in cluster.devices()}) <= MIXED_HOSTS
+    return mixed_stages
+
+
 def _allocate(
     cluster: Cluster, groups: list[GroupConfig], prefer: list[tuple[str, ...] | None] | None = None
 ) -> list[tuple[str, ...]]:
@@ -126,7 +137,9 @@ def _allocate(
             continue
         group = groups[index]
         # a mixed group: its first type's replicas, then its second's
-        out[index] = tuple(ref for kind, size in group.by_type.items() for ref in _take(free[kind], kind, size, group.tp))
+        out[index] = tuple(
+            ref for kind, size in group.by_type.items() for ref in _take(free[kind], kind, size, group.tp)
+        )
     return out  # type: ignore[return-value]
 
 
@@ -317,7 +330,7 @@ def plan(
     prefer_devices: list[tuple[str, ...] | None] | None = None,
     migration: Migration | None = None,
     zero: bool = False,
-    mixed_stages: bool = True,
+    mixed_stages: bool | None = None,
 ) -> Plan:
     """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
 
@@ -351,8 +364,9 @@ def plan(
         reduce-scatter and an all-gather, in the ring model the cost of the all-reduce it
         replaces). Off by default, as in the executor; the stages record it (``Stage.zero``).
       mixed_stages: also consider stages on hosts of two device types, each type's replicas
-        with its own batch share (``_groups``, ``CostTable``). The executor runs one SPMD program
-        per stage, which cannot give replicas uneven shares: plan with False to execute.
+        with its own batch share (``_groups``, ``CostTable``). None (default): on clusters of at
+        most ``MIXED_HOSTS`` hosts. The executor runs one SPMD program per stage, which cannot
+        give replicas uneven shares: plan with False to execute.
 
     Raises:
       PlanInfeasible: no plan fits (proven); the message names the binding constraint and
@@ -366,6 +380,7 @@ def plan(
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     started = time.perf_counter()
     cluster = model.cluster
+    mixed_stages = offers_mixed(cluster, mixed_stages)
     space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed_stages)
     L = space.layers
     max_stages = min(max_stages or 16, L, len(cluster.devices()))

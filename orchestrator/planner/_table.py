@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from collections import Counter
+from dataclasses import dataclass
 
 from orchestrator.cluster import Link
 from orchestrator.costs import CostModel, ParallelConfig, all_reduce_s, p2p_s
@@ -81,30 +81,41 @@ class CostTable:
         return self._shares[key]
 
     def _balanced_shares(self, group: GroupConfig, samples: int) -> tuple[int, ...] | None:
-        """The (b0, b1) with dp0·b0 + dp1·b1 = samples, both ≥ 1, minimising the slower part's time
-        over the whole model. The first part's time grows with b0 and the second's falls, so the
-        best b0 is next to where they cross: a bisection over the valid b0, which step by
-        dp1 / gcd(dp0, dp1), finds it in O(log samples) cost evaluations."""
+        """The (b0, b1) with dp0·b0 + dp1·b1 = samples, both ≥ 1, that balances the two parts' time
+        over the whole model: each part's time per sample is read at the equal split, b0 is
+        set in proportion to the speeds, and of the valid b0 just below and above it (they step
+        by dp1 / gcd(dp0, dp1)) the one whose slower part is faster is kept."""
         (first, n0), (second, n1) = group.parts
         dp0, dp1 = n0 // group.tp, n1 // group.tp
         valid = [b0 for b0 in range(1, samples // dp0 + 1) if (samples - dp0 * b0) % dp1 == 0 and samples > dp0 * b0]
         if not valid:
             return None
-        layers = range(len(self.model.layers))
+        counts = Counter(self._representative)  # identical layers cost the same: one call per kind
 
-        def times(b0: int) -> tuple[float, float]:
-            b1 = (samples - dp0 * b0) // dp1
-            return tuple(
-                sum(self._part(l, group, kind, b).time_s for l in layers) for kind, b in ((first, b0), (second, b1))
-            )
+        def time_s(kind: str, b: int) -> float:
+            return sum(n * self._compute_s(layer, group, kind, b) for layer, n in counts.items())
 
-        lo, hi = 0, len(valid) - 1  # the first index where part 0 is the slower one
-        while lo < hi:
-            mid = (lo + hi) // 2
-            t0, t1 = times(valid[mid])
-            lo, hi = (lo, mid) if t0 >= t1 else (mid + 1, hi)
-        best = min(valid[max(0, lo - 1) : lo + 1], key=lambda b0: (max(times(b0)), b0))
+        even = max(1, samples // (dp0 + dp1))
+        per_sample = [time_s(kind, even) / even for kind in (first, second)]
+        ideal = samples / (dp0 + dp1 * per_sample[0] / per_sample[1]) if per_sample[1] > 0 else valid[-1]
+        below = [b0 for b0 in valid if b0 <= ideal]
+        above = [b0 for b0 in valid if b0 > ideal]
+        nearby = ([below[-1]] if below else []) + ([above[0]] if above else [])
+
+        def slower(b0: int) -> float:
+            return max(time_s(first, b0), time_s(second, (samples - dp0 * b0) // dp1))
+
+        best = min(nearby, key=lambda b0: (slower(b0), b0))
         return best, (samples - dp0 * best) // dp1
+
+    def _compute_s(self, layer: int, group: GroupConfig, kind: str, samples: int) -> float:
+        """Forward + backward + TP all-reduces of one layer on one part: independent of the data-parallel
+        degree, so shared by every mixed group with the same tp and recompute."""
+        key = ("compute", layer, kind, group.tp, group.recompute, samples)
+        if key not in self._entries:
+            single = GroupConfig(device_type=kind, size=group.tp, tp=group.tp, recompute=group.recompute)
+            self._entries[key] = self._part(layer, single, kind, samples).time_s
+        return self._entries[key]
 
     def entry(self, layer: int, group: GroupConfig, microbatches: int) -> Entry:
         layer = self._representative[layer]

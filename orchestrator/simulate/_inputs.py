@@ -94,7 +94,9 @@ def replica_bounds(stage: Stage) -> list[tuple[float, float]]:
 
 def device_types(stage: Stage) -> list[str]:
     """The type each of the stage's devices should be (``devices`` order)."""
-    return [kind for kind, n in stage.parts for _ in range(n)] if stage.parts else [stage.device_type] * len(stage.devices)
+    return (
+        [kind for kind, n in stage.parts for _ in range(n)] if stage.parts else [stage.device_type] * len(stage.devices)
+    )
 
 
 def _pairs(a: Stage, b: Stage) -> list[tuple[str, str, float]]:
@@ -212,7 +214,9 @@ def _layer_costs(plan: Plan, st: Stage, model):
     per_part = []
     for (kind, _), samples in zip(parts, shares):
         config = ParallelConfig(tp=st.tp, dp=st.dp, microbatch_size=samples, recompute=st.recompute, zero=st.zero)
-        per_part.append([model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link) for layer in st.layers])
+        per_part.append(
+            [model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link) for layer in st.layers]
+        )
     costs = [max(layer, key=lambda c: c.backward_s + c.tp_comm_s) for layer in zip(*per_part)]
     backward = []
     for cost in costs:
