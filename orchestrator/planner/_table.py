@@ -32,8 +32,8 @@ class CostTable:
     data parallelism shards its optimizer state over its replicas (ZeRO-1).
 
     A mixed group's replicas on type k each take b_k samples of a microbatch of P samples
-    (Σ_k dp_k·b_k = P, every b_k ≥ 1), chosen to balance the whole model: the b minimising
-    max_k Σ_ℓ τ_k(ℓ, b_k). Its parts meet after each layer's forward and after its backward, so
+    (Σ_k dp_k·b_k = P, every b_k ≥ 1), chosen to balance the whole model's time Σ_ℓ τ_k(ℓ, b_k)
+    between the two parts (``_balanced_shares``). Its parts meet after each layer's forward and after its backward, so
     a layer's forward is the slower part's forward, likewise the backward, and the time is their
     sum (an over-estimate where the parts would run apart; exact when one part is the slower in
     every layer). Gradient sync spans all its replicas over the slowest link between its types;
