@@ -48,6 +48,17 @@ class GroupConfig:
         return dict(self.parts) if self.parts else {self.device_type: self.size}
 
 
+def stage_group(stage) -> GroupConfig:
+    """The group a plan's :class:`~orchestrator.planner.Stage` runs on."""
+    return GroupConfig(
+        device_type=stage.device_type,
+        size=stage.tp * stage.dp,
+        tp=stage.tp,
+        recompute=stage.recompute,
+        parts=tuple(stage.parts),
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TypeInfo:
     """What the planner needs to know of one device type's hosts."""

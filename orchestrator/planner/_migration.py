@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._groups import GroupConfig, stage_group
 from orchestrator.planner._ilp import MS, StageModel
 from orchestrator.planner._plan import Plan
 
@@ -69,14 +69,11 @@ class Migration:
             if not out:
                 continue
             slowest = min(out, key=lambda link: link.bandwidth_bytes_per_s)
-            group = GroupConfig(
-                device_type=stage.device_type,
-                size=stage.tp * stage.dp,
-                tp=stage.tp,
-                recompute=stage.recompute,
-                parts=tuple(stage.parts),
+            kept.append(
+                KeptStage(
+                    S - 1 - s, stage_group(stage), stage.layers, stage.devices, 1.0 / slowest.bandwidth_bytes_per_s
+                )
             )
-            kept.append(KeptStage(S - 1 - s, group, stage.layers, stage.devices, 1.0 / slowest.bandwidth_bytes_per_s))
         return cls(tuple(kept), horizon_steps)
 
     def prefer_devices(self) -> list[tuple[str, ...] | None]:

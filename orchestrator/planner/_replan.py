@@ -34,7 +34,7 @@ import time
 from collections import Counter
 
 from orchestrator.planner._evaluate import evaluate
-from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._groups import GroupConfig, stage_group
 from orchestrator.planner._ilp import StageModel, in_flight, simple_bound_s
 from orchestrator.planner._migration import Migration
 from orchestrator.planner._plan import Plan, PlanNotFound
@@ -70,16 +70,6 @@ def cached_plan(model, **settings) -> Plan:
     return _CACHE[key]
 
 
-def _group_of(stage) -> GroupConfig:
-    return GroupConfig(
-        device_type=stage.device_type,
-        size=stage.tp * stage.dp,
-        tp=stage.tp,
-        recompute=stage.recompute,
-        parts=tuple(stage.parts),
-    )
-
-
 def _fits(group: GroupConfig, free: Counter) -> bool:
     return all(n <= free[kind] for kind, n in group.by_type.items())
 
@@ -104,7 +94,7 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
             use.update(g.by_type)
         if any(n > free[t] for t, n in use.items()):
             continue
-        groups = [_group_of(stage) for stage in previous.stages]
+        groups = [stage_group(stage) for stage in previous.stages]
         for s, g in zip(lost, choice):
             groups[s] = g
         costs = [StageCosts(space, g, M) for g in groups]
@@ -136,7 +126,7 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     kept = [s for s, stage in enumerate(previous.stages) if set(stage.devices) <= alive_refs]
     free = Counter(d.device_type for d in alive)
     for s in kept:
-        free.subtract(_group_of(previous.stages[s]).by_type)
+        free.subtract(stage_group(previous.stages[s]).by_type)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
 
     def score(ev, split, groups) -> float:
@@ -146,7 +136,7 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     replaced = _replace_lost(previous, space, kept, free, score)
     if replaced is not None:
         return replaced
-    kept_groups = {_group_of(previous.stages[s]) for s in kept}
+    kept_groups = {stage_group(previous.stages[s]) for s in kept}
     groups = [g for g in space.groups if g in kept_groups or _fits(g, free)]
     for fix_layers in (True, False):
         sub = StageModel(
@@ -167,7 +157,7 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
         run_of = {layer: r for r, run in enumerate(sub.runs) for layer in run.layers}
         fixable = True
         for s in kept:
-            j, group = S - 1 - s, _group_of(previous.stages[s])
+            j, group = S - 1 - s, stage_group(previous.stages[s])
             if group not in sub.groups:
                 fixable = False
                 break
