@@ -15,6 +15,7 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
     activations       = bytes live at the forward→backward boundary, per in-flight microbatch
                         (only the layer's input under recompute)
     transient         = peak of the layer's own forward+backward temporaries (its outputs apart) minus the above
+                        (on CPU clusters, ``shared_cores`` set, with XLA:CPU's YNNPACK size rule, ``_liveness``)
 
 An op works on the batch if its output depends on it or it reads a value that
 does: a weight gradient x^T·dy has a parameter's shape, but its FLOPs grow with
@@ -39,7 +40,7 @@ from orchestrator.cluster import Cluster, Link
 from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
-from orchestrator.costs._liveness import liveness, traffic_bytes
+from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, liveness, traffic_bytes
 from orchestrator.costs._roofline import Efficiency, op_time_s
 from orchestrator.costs._sharding import DEFAULT_TP_AXES, TensorParallelTraits, tensor_parallel_traits
 from orchestrator.graph import OpGraph
@@ -321,6 +322,8 @@ class CostModel:
             ops,
             scale=lambda n: self._scale(n, tp, microbatch),
             allreduced=self.traits_for(tp).allreduce_ops if tp > 1 else frozenset(),
+            # XLA:CPU's YNNPACK rule; other compilers have no such threshold
+            row_fusion_elements=YNN_MIN_ELEMENTS if self.cluster.shared_cores is not None else None,
         )
         kept = result.boundary_bytes
         return kept, max(0.0, result.peak_bytes - kept)

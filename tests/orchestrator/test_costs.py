@@ -1,5 +1,6 @@
 """Cost model: collective formulas, tensor-parallel tags, and agreement with XLA's compiled programs."""
 
+import dataclasses
 import functools
 import math
 
@@ -110,9 +111,9 @@ CFG = GPTConfig(vocab_size=256, max_seq_len=128, num_layers=1, num_heads=4, d_mo
 RULES = (("batch", "data"), ("heads", "model"), ("mlp", "model"))
 
 
-def _block():
+def _block(batch: int = 8):
     block = Block(CFG)
-    x = jax.ShapeDtypeStruct((8, 128, CFG.d_model), jnp.float32)
+    x = jax.ShapeDtypeStruct((batch, 128, CFG.d_model), jnp.float32)
     boxed = jax.eval_shape(block.init, jax.random.key(0), x)["params"]
 
     def step(variables, x):
@@ -156,9 +157,35 @@ def test_block_collectives_and_memory_match_xla(dp, tp):
     x_local = math.prod(x.shape) * 4 / dp
     predicted = cost.memory_bytes(1) + 2 * x_local
     print(f"DP{dp}xTP{tp}: memory predicted {predicted:.4g}, XLA {measured.peak_bytes:.4g}")
-    # The issue asks 10%: this block meets it (+6%, +2%, -5%); gpt2-small's DP2xTP4 misses it (-11.5%,
-    # XLA:CPU keeps four broadcast LayerNorm operands the model gives no buffer: orchestrator.costs._liveness).
+    # The issue asks 10%: this block meets it (+6%, +2%, -5%); so does gpt2-small's (orchestrator bench fidelity)
     assert predicted == pytest.approx(measured.peak_bytes, rel=0.10)
+
+
+def test_layernorm_rows_past_xla_cpu_ynn_threshold_keep_one_more_buffer():
+    """From 4,096 tokens a device XLA:CPU keeps each LayerNorm's rsqrt·scale (``_liveness``): DP2xTP4
+    with 4,096 tokens a device is -13.9% without the rule, -4.9% with it."""
+    step, variables, x, specs, axes = _block(batch=64)
+    graph = capture(step, variables, x)
+    layers = coarsen(graph, by_scope=False, fallback_layers=1)
+    cluster = load_cluster("local")
+    [device_type] = cluster.device_types
+    model = CostModel(graph, layers, cluster, batch_size=64, param_axes=axes)
+    config = ParallelConfig(tp=4, dp=2, microbatch_size=32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    param_sharding = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    x_sharding = NamedSharding(mesh, P("data"))
+    jitted = jax.jit(
+        step,
+        in_shardings=(param_sharding, x_sharding),
+        out_shardings=(NamedSharding(mesh, P()), (param_sharding, x_sharding)),
+    )
+    measured = xla_program(jitted, variables, x).peak_bytes
+    predicted = model.layer_cost(0, device_type, config).memory_bytes(1) + 2 * math.prod(x.shape) * 4 / 2
+    assert predicted == pytest.approx(measured, rel=0.10)
+    # without the rule (a GPU cluster has none) the same layer is priced at one buffer less per LayerNorm
+    gpu_like = CostModel(graph, layers, dataclasses.replace(cluster, shared_cores=None), batch_size=64, param_axes=axes)
+    without = gpu_like.layer_cost(0, device_type, config).memory_bytes(1) + 2 * math.prod(x.shape) * 4 / 2
+    assert predicted - without == pytest.approx(2 * 32 * 128 * CFG.d_model * 4, rel=1e-6)
 
 
 def test_tensor_parallel_splits_compute_and_parameters():
