@@ -12,12 +12,15 @@ all pieces of one M in one HiGHS session. The search runs in three steps:
    M's model is built and its LP relaxation solved (with the packing bound, the
    bound of its pieces until their own solves do better); then a first pass gives each piece
    (fewest stages first) a short, presolve-free solve: most prove at once that
-   they cannot beat the incumbent;
+   they cannot beat the incumbent. The stage counts from ``TAIL_FROM`` on start as one tail
+   piece per M, split into one piece per count when it does not close at once;
 3. rounds over the pieces still open, weakest bound first, share what is left.
 
-The certified lower bound is the smallest bound over all pieces (a piece never
-solved keeps its M's packing or relaxation bound, or the solve-free capacity
-bound), so the gap covers the whole search space.
+Every solve asks only for plans ``gap`` better than the incumbent (``_cutoff_ms``), and an M
+or piece whose bound is within ``gap`` of it is closed: the plan returned is then certified
+within ``gap`` of the optimum, not necessarily optimal. The certified lower bound is the
+smallest bound over all pieces (a piece never solved keeps its M's packing or relaxation
+bound, or the solve-free capacity bound), so the gap covers the whole search space.
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # without it the root bound comes first. The first pass's short solves go without presolve;
 # the later rounds, with time for it, keep HiGHS's default.
 MIP_OPTIONS = {"presolve": "off"}
+# a solve's status when it proved no plan below its cutoff (``_cutoff_ms``)
+CUT_OFF = "Cut off"
+# stage counts from this one on start as one tail piece per M (split if it does not close at once):
+# on gpt-1.3b × mixed-a100-v100 the pieces of 7 to 16 stages were each cut off in 0.4–1.1 s,
+# 15 s of a 30 s budget (session 11)
+TAIL_FROM = 5
 # the first pass gives each (M, S) piece at most this long; what is left then goes to the open ones
 FIRST_PASS_S = 0.2
 # mixed groups (two device types per stage) are offered by default on clusters of at most this many
@@ -220,11 +229,15 @@ def _heuristic(model, space, global_batch, schedule, candidates, max_stages, rec
     return min(found, key=lambda f: f.iteration_s) if found else None
 
 
-def _packing_bounds(space: SearchSpace, candidates, max_stages: int, schedule: str, best, *, deadline: float):
-    """{M: packing bound (s)}, never below the capacity bound: +inf where no plan of that M fits or
-    beats the incumbent ``best``. Fewest microbatches first (where memory binds hardest, the
-    bound is cheapest: GPT-175B proves M ≤ 16 empty in 0.1 s each), each M with an equal share
-    of the time left; a search stopped by its share keeps the bound it reached."""
+def _packing_bounds(
+    space: SearchSpace, candidates, max_stages: int, schedule: str, best, *, gap: float, deadline: float
+):
+    """{M: packing bound (s)}, never below the capacity bound: +inf where no plan of that M fits, the
+    cutoff (``_cutoff_ms``) where none is ``gap`` better than the incumbent ``best``. Fewest
+    microbatches first (where memory binds hardest, the bound is cheapest: GPT-175B proves M ≤ 16
+    empty in 0.1 s each), each M with an equal share of the time left; a search stopped by its
+    share keeps the bound it reached."""
+    cutoff_s = _cutoff_ms(best, gap) / MS if best else math.inf
     found = {}
     for index, M in enumerate(sorted(candidates)):
         groups = undominated(
@@ -238,9 +251,11 @@ def _packing_bounds(space: SearchSpace, candidates, max_stages: int, schedule: s
             space.runs, groups, space.table, space.infos, microbatches=M, max_stages=max_stages, schedule=schedule
         ).bound_s(
             above_s=simple,
-            below_s=best[0] if best else math.inf,
+            below_s=cutoff_s,
             deadline=time.perf_counter() + (deadline - time.perf_counter()) / (len(candidates) - index),
         )
+        if bound == math.inf and best:  # (with no incumbent, +inf means no plan of this M fits)
+            bound = cutoff_s
         log.debug("M=%d: packing bound %.6g s (capacity %.6g s)", M, bound, simple)
         found[M] = bound
     return found
@@ -262,6 +277,18 @@ class _Piece:
     bound_s: float  # certified lower bound (s); inf once it cannot beat the incumbent
     done: bool = False
     limit_s: float = 0.0  # the time limit of its last solve (a solve restarts from scratch)
+    most: int = 0  # a tail piece: any stage count from ``stages`` to ``most`` (0: exactly ``stages``)
+
+    @property
+    def last(self) -> int:
+        """The largest stage count the piece covers."""
+        return max(self.stages, self.most)
+
+    def split(self) -> list[_Piece]:
+        """A tail piece's stage counts as pieces of their own, each keeping its bound."""
+        return [
+            _Piece(self.model, self.session, S, bound_s=self.bound_s) for S in range(self.stages, self.last + 1)
+        ]
 
 
 def _or_relaxation(result, sub: StageModel, relax):
@@ -281,10 +308,11 @@ def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, option
     (started from it when it has the piece's M and S); a search stopped before its root
     bound reports its relaxation's bound."""
     sub, S = piece.model, piece.stages
-    closed = {sub.u[j, g]: (0.0, 0.0) for j in range(S, sub.J) for g in range(len(sub.groups))}
+    closed = {sub.u[j, g]: (0.0, 0.0) for j in range(piece.last, sub.J) for g in range(len(sub.groups))}
     rows = {f"stage_order_one_group_{S - 1}": (1.0, 1.0)}
-    warm = best is not None and best[4] == sub.M and len(best[2]) == S and sub.set_start(best[2], best[3])
-    cutoff = None if warm or best is None else best[0] * MS * (1 - 1e-9)
+    ours = best is not None and best[4] == sub.M and S <= len(best[2]) <= piece.last
+    warm = ours and sub.set_start(best[2], best[3])
+    cutoff = None if warm or best is None else _cutoff_ms(best, gap)
     piece.limit_s = time_limit_s
     result = piece.session.solve(
         columns=closed, rows=rows, time_limit_s=time_limit_s, gap=gap, cutoff=cutoff, use_start=warm, options=options
@@ -294,10 +322,13 @@ def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, option
         sub,
         lambda: piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=max(0.2, time_limit_s)),
     )
+    if cutoff is not None and result.status == "Infeasible":  # no plan below the cutoff: that is its bound
+        result = dataclasses.replace(result, status=CUT_OFF, bound=cutoff)
     log.debug(
-        "M=%d, %d stages: %s in %.2f s, objective %.6g ms, bound %.6g ms",
+        "M=%d, %d–%d stages: %s in %.2f s, objective %.6g ms, bound %.6g ms",
         sub.M,
         S,
+        piece.last,
         result.status,
         result.solve_s,
         result.objective,
@@ -309,11 +340,24 @@ def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, option
 def _whole(sub: StageModel, best, *, gap: float, deadline: float):
     """One solve over every stage count (the CBC fallback, which has no session)."""
     warm = best is not None and best[4] == sub.M and sub.set_start(best[2], best[3])
-    if best is not None and not warm:
-        # only better plans are wanted: an infeasible model proves this M cannot beat the incumbent
-        sub.lp += sub.lp.objective <= best[0] * MS * (1 - 1e-9), "better_than_incumbent"
+    cutoff = None if warm or best is None else _cutoff_ms(best, gap)
+    if cutoff is not None:
+        sub.lp += sub.lp.objective <= cutoff, "better_than_incumbent"
     result = solve(sub.lp, time_limit_s=max(0.2, deadline - time.perf_counter()), gap=gap, use_start=warm)
-    return _or_relaxation(result, sub, lambda: _relaxation_bound(sub.lp, time_limit_s=0.5))
+    result = _or_relaxation(result, sub, lambda: _relaxation_bound(sub.lp, time_limit_s=0.5))
+    if cutoff is not None and result.status == "Infeasible":
+        result = dataclasses.replace(result, status=CUT_OFF, bound=cutoff)
+    return result
+
+
+def _cutoff_ms(best, gap: float) -> float:
+    """Only plans below this (ms) are wanted from a solve: within ``gap`` of the incumbent ``best``
+    is close enough. Asking for a plan ``gap`` better, rather than any better, lets HiGHS prune
+    every node whose bound is within ``gap`` of the incumbent: on gpt-1.3b × mixed-a100-v100 the
+    pieces that ran out of 30 s asking for any better plan prove in 0.2–2 s that none is 1% better
+    (session 11). A piece with no plan below the cutoff gets the cutoff as its bound, so the
+    certified gap still covers the whole search space; it is then at most ``gap``, not 0."""
+    return best[0] * MS * (1 - max(gap * (1 - 1e-6), 1e-9))  # (a hair inside, so rounding never reports gap+)
 
 
 def plan(
@@ -430,16 +474,18 @@ def plan(
             if ev.feasible and (best is None or score(ev, stages, chosen) < best[0]):
                 best = (score(ev, stages, chosen), ev, stages, chosen, sub.M)
         if piece is None:  # a whole M at once
-            if result.status != "Infeasible":  # under a cutoff: nothing better than the incumbent here
+            if result.status != "Infeasible":
                 lower = min(lower, bound)
-                if not result.has_solution:
+                if not result.has_solution and result.status != CUT_OFF:
                     unproven.append(sub.M)
             return
         if result.status == "Infeasible":
             piece.bound_s, piece.done = math.inf, True
         else:
             piece.bound_s = max(piece.bound_s, bound)
-            piece.done = result.status == "Optimal" or (best is not None and bound >= best[0])
+            # within the gap of the incumbent is as good as closed (a better incumbent later keeps it so)
+            close = best is not None and bound >= best[0] * (1 - gap)
+            piece.done = result.status in ("Optimal", CUT_OFF) or close
 
     # each M's packing bound, in at most three quarters of the time left (it needs them only where
     # the ILP's own pieces would not finish either: GPT-175B, 1.5 s per M)
@@ -449,13 +495,17 @@ def plan(
         max_stages,
         schedule,
         best,
+        gap=gap,
         deadline=time.perf_counter() + 0.75 * (time_limit_s - (time.perf_counter() - started)),
     )
     # each M's model and its pieces, one per stage count (the CBC fallback solves the model whole)
     pieces: list[_Piece] = []
     for index, M in enumerate(candidates):
         packed = packing[M]
-        if packed == math.inf:  # no plan of this M fits, or none beats the incumbent
+        if packed == math.inf:  # no plan of this M fits
+            continue
+        if best is not None and packed >= _cutoff_ms(best, gap) / MS:  # none is gap better than the incumbent
+            lower = min(lower, packed)
             continue
         if time_limit_s - (time.perf_counter() - started) <= 0:  # out of time: this M keeps its packing bound
             lower = min(lower, packed)
@@ -488,16 +538,26 @@ def plan(
         if relaxed == math.inf:  # no piece of this M can beat the incumbent
             continue
         floor = max(packed, relaxed / MS)  # packed is never below the capacity bound
-        pieces += [_Piece(sub, session, S, bound_s=floor) for S in range(1, sub.J + 1)]
-    # first pass: a short presolve-free solve of every piece, fewest stages first
+        if best is not None and floor >= _cutoff_ms(best, gap) / MS:  # none is gap better than the incumbent
+            lower = min(lower, floor)
+            continue
+        tail = min(TAIL_FROM, sub.J)  # stage counts from here on start as one piece
+        pieces += [_Piece(sub, session, S, bound_s=floor) for S in range(1, tail)]
+        pieces.append(_Piece(sub, session, tail, bound_s=floor, most=sub.J))
+    # first pass: a short presolve-free solve of every piece, fewest stages first; a tail piece
+    # that does not close at once goes on as one piece per stage count
     pieces.sort(key=lambda p: p.stages)
-    for index, piece in enumerate(pieces):
-        left = time_limit_s - (time.perf_counter() - started)
-        if left <= 0:
-            break
+    queue, pieces = list(pieces), []
+    while queue and (left := time_limit_s - (time.perf_counter() - started)) > 0:
+        piece = queue.pop(0)
         if not piece.done:
-            first = min(FIRST_PASS_S, max(0.05, left / (2 * (len(pieces) - index))))
+            first = min(FIRST_PASS_S, max(0.05, left / (2 * (len(queue) + 1))))
             record(piece.model, _solve_piece(piece, best, gap=gap, time_limit_s=first, options=MIP_OPTIONS), piece)
+        if piece.most and not piece.done:
+            queue += piece.split()
+        else:
+            pieces.append(piece)
+    pieces += queue
     # then rounds over the open pieces, weakest bound first, sharing the time left
     while (waiting := sorted((p for p in pieces if not p.done), key=lambda p: p.bound_s)) and (
         time.perf_counter() - started < time_limit_s - 0.05
@@ -513,7 +573,7 @@ def plan(
         lower = min(lower, piece.bound_s)
         if not piece.done:
             unproven.append(piece.model.M)
-            log.debug("open: M=%d, %d stages, bound %.6g ms", piece.model.M, piece.stages, piece.bound_s * MS)
+            log.debug("open: M=%d, %d–%d stages, bound %.6g ms", piece.model.M, piece.stages, piece.last, piece.bound_s * MS)
     if best is None:
         if unproven:
             raise PlanNotFound(
