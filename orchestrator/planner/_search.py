@@ -286,9 +286,7 @@ class _Piece:
 
     def split(self) -> list[_Piece]:
         """A tail piece's stage counts as pieces of their own, each keeping its bound."""
-        return [
-            _Piece(self.model, self.session, S, bound_s=self.bound_s) for S in range(self.stages, self.last + 1)
-        ]
+        return [_Piece(self.model, self.session, S, bound_s=self.bound_s) for S in range(self.stages, self.last + 1)]
 
 
 def _or_relaxation(result, sub: StageModel, relax):
@@ -573,7 +571,9 @@ def plan(
         lower = min(lower, piece.bound_s)
         if not piece.done:
             unproven.append(piece.model.M)
-            log.debug("open: M=%d, %d–%d stages, bound %.6g ms", piece.model.M, piece.stages, piece.last, piece.bound_s * MS)
+            log.debug(
+                "open: M=%d, %d–%d stages, bound %.6g ms", piece.model.M, piece.stages, piece.last, piece.bound_s * MS
+            )
     if best is None:
         if unproven:
             raise PlanNotFound(
