@@ -129,6 +129,19 @@ def _block(batch: int = 8):
     )
 
 
+def _compiled_block(step, variables, x, specs, dp: int, tp: int):
+    """XLA's program of the block step sharded DP×TP by the recipe's logical axes."""
+    mesh = jax.make_mesh((dp, tp), ("data", "model"))
+    param_sharding = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    x_sharding = NamedSharding(mesh, P("data"))
+    jitted = jax.jit(
+        step,
+        in_shardings=(param_sharding, x_sharding),
+        out_shardings=(NamedSharding(mesh, P()), (param_sharding, x_sharding)),
+    )
+    return xla_program(jitted, variables, x)
+
+
 @pytest.mark.parametrize(("dp", "tp"), [(8, 1), (4, 2), (2, 4)])
 def test_block_collectives_and_memory_match_xla(dp, tp):
     step, variables, x, specs, axes = _block()
@@ -139,15 +152,7 @@ def test_block_collectives_and_memory_match_xla(dp, tp):
     model = CostModel(graph, layers, cluster, batch_size=8, param_axes=axes)
     cost = model.layer_cost(0, device_type, ParallelConfig(tp=tp, dp=dp, microbatch_size=8 // dp))
 
-    mesh = jax.make_mesh((dp, tp), ("data", "model"))
-    param_sharding = nn.logical_to_mesh_sharding(specs, mesh, RULES)
-    x_sharding = NamedSharding(mesh, P("data"))
-    jitted = jax.jit(
-        step,
-        in_shardings=(param_sharding, x_sharding),
-        out_shardings=(NamedSharding(mesh, P()), (param_sharding, x_sharding)),
-    )
-    measured = xla_program(jitted, variables, x)
+    measured = _compiled_block(step, variables, x, specs, dp, tp)
     # all-reduces: Megatron's two forward + two backward per block, plus the gradient sync
     # (XLA also all-reduces the 4-byte loss)
     assert measured.collective_bytes["all-reduce"] - 4 == pytest.approx(
@@ -171,15 +176,7 @@ def test_layernorm_rows_past_xla_cpu_ynn_threshold_keep_one_more_buffer():
     [device_type] = cluster.device_types
     model = CostModel(graph, layers, cluster, batch_size=64, param_axes=axes)
     config = ParallelConfig(tp=4, dp=2, microbatch_size=32)
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
-    param_sharding = nn.logical_to_mesh_sharding(specs, mesh, RULES)
-    x_sharding = NamedSharding(mesh, P("data"))
-    jitted = jax.jit(
-        step,
-        in_shardings=(param_sharding, x_sharding),
-        out_shardings=(NamedSharding(mesh, P()), (param_sharding, x_sharding)),
-    )
-    measured = xla_program(jitted, variables, x).peak_bytes
+    measured = _compiled_block(step, variables, x, specs, dp=2, tp=4).peak_bytes
     predicted = model.layer_cost(0, device_type, config).memory_bytes(1) + 2 * math.prod(x.shape) * 4 / 2
     assert predicted == pytest.approx(measured, rel=0.10)
     # without the rule (a GPU cluster has none) the same layer is priced at one buffer less per LayerNorm
