@@ -482,7 +482,7 @@ def plan(
         else:
             piece.bound_s = max(piece.bound_s, bound)
             # within the gap of the incumbent is as good as closed (a better incumbent later keeps it so)
-            close = best is not None and bound >= best[0] * (1 - gap)
+            close = best is not None and bound >= _cutoff_ms(best, gap) / MS
             piece.done = result.status in ("Optimal", CUT_OFF) or close
 
     # each M's packing bound, in at most three quarters of the time left (it needs them only where
