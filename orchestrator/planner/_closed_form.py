@@ -29,14 +29,20 @@ makespan is exact: forwards end at F = Σ_s (f_s + P_s) + (M − 1)·max_s max(f
     E_s ≥ F + Σ_{s'≥s} b_s' + Σ_{s≤s'<S−1} P_s' + (M − 1)·max_{s'≥s} max(b_s', P_s'·[s' < S−1]).
 
 **Pipeline and tail.** The pipeline drains at W = max_s (E_s + U^b_s); the first stage's
-last backward is the drain (E_0 = W). A stage's gradient sync runs per layer bucket as its
-last backward passes each layer, so it ends ≥ max(E_s, E_s − b_s + y_s); its optimizer
-follows. The step:
+last backward is the drain (E_0 = W). A stage's gradient sync runs per layer bucket: its
+last backward visits the layers i = 1..n in reverse order, taking b_i each, and bucket i's
+all-reduce (y_i) may start once that share is done and the previous bucket's all-reduce has
+finished (one ring). That is a two-machine flow shop in a fixed order, whose makespan is
 
-    step = max( W,  max_s max(E_s, E_s − b_s + y_s) + o_s )
+    Y_s = E_s − b_s + max_k ( Σ_{i≤k} b_i + Σ_{i≥k} y_i )       (i, k in backward order)
+
+(Σ_i b_i = b_s, Σ_i y_i = y_s); its optimizer follows. The step:
+
+    step = max( W,  max_s Y_s + o_s )
 
 Each row is a lower bound on the schedule it describes (one per critical path); their max
-is the estimate. Equal stages without transfers give the textbook (S + M − 1)·c + y + o.
+is the estimate. Equal one-layer stages without transfers give the textbook
+(S + M − 1)·c + y + o.
 ``StageModel`` (``_ilp``) writes the same rows with variables for B, E, W and the step.
 """
 
@@ -73,18 +79,30 @@ def in_flight_cycle(microbatches: int, in_flight: int) -> tuple[int, int]:
     return divmod(microbatches - 1, in_flight)
 
 
+def sync_end(backward_end: float, backward: Sequence[float], sync: Sequence[float]) -> float:
+    """Y: when a stage's last gradient bucket is synchronised, for per-layer backward and sync
+    times in layer (chain) order; the backward pass visits them last layer first."""
+    ready = backward_end - sum(backward)
+    done = ready
+    for b, y in zip(reversed(backward), reversed(sync)):
+        ready += b
+        done = max(done, ready) + y
+    return max(done, backward_end)
+
+
 def step_time(
     forward: Sequence[float],
-    backward: Sequence[float],
+    backward: Sequence[Sequence[float]],
     send: Sequence[float],
-    sync: Sequence[float],
+    sync: Sequence[Sequence[float]],
     optimizer: Sequence[float],
     microbatches: int,
     schedule: str,
 ) -> StepTime:
-    """The closed form above for stages in pipeline order (``send[-1]`` is ignored)."""
+    """The closed form above for stages in pipeline order (``send[-1]`` is ignored).
+    ``backward`` and ``sync`` hold each stage's per-layer times, in layer order."""
     S, M = len(forward), microbatches
-    f, b = list(forward), list(backward)
+    f, b = list(forward), [sum(layers) for layers in backward]
     P = [*send[: S - 1], 0.0]
     c = [fs + bs for fs, bs in zip(f, b)]
     up_f = [sum(f[:s]) + sum(P[:s]) for s in range(S)]
@@ -110,7 +128,7 @@ def step_time(
             )
     pipeline = max(ends[s] + up_b[s] for s in range(S))
     ends[0] = max(ends[0], pipeline)
-    tails = [max(ends[s], ends[s] - b[s] + sync[s]) + optimizer[s] for s in range(S)]
+    tails = [sync_end(ends[s], backward[s], sync[s]) + optimizer[s] for s in range(S)]
     step = max(pipeline, *tails)
     fill = sum(c) + 2 * sum(P)
     last = max(range(S), key=lambda s: tails[s])

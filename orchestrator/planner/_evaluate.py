@@ -39,6 +39,7 @@ def evaluate(
     """``links[(t, t2)]``: the link a stage on type t uses to send to a next stage on type t2."""
     S = len(stages)
     times, memories, syncs, optims, forwards, sends = [], [], [], [], [], []
+    layer_backwards, layer_syncs = [], []
     feasible = True
     used: dict[str, int] = {}
     for s, (layers, group) in enumerate(zip(stages, groups)):
@@ -67,11 +68,11 @@ def evaluate(
         times.append(t)
         memories.append(peak)
         syncs.append(sum(e.dp_sync_s for e in entries))
+        layer_backwards.append([e.time_s - e.forward_s for e in entries])
+        layer_syncs.append([e.dp_sync_s for e in entries])
         optims.append(sum(e.optimizer_s for e in entries))
     feasible &= all(n <= infos[t].devices for t, n in used.items())
-    computes = [t - 2 * send for t, send in zip(times, sends)]
-    backwards = [c - f for c, f in zip(computes, forwards)]
-    closed = step_time(forwards, backwards, sends, syncs, optims, microbatches, schedule)
+    closed = step_time(forwards, layer_backwards, sends, layer_syncs, optims, microbatches, schedule)
     return Evaluation(
         feasible,
         closed.step_s,

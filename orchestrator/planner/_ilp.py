@@ -53,8 +53,9 @@ Constraints (one function each; every row named)
     schedule        the rows of ``_closed_form`` with stage s = S − 1 − j: B_j (1F1B: round trip
                     and warm-up), E_j (in-flight cycle, own work, outgoing link; GPipe: the two
                     flow shops with paces Ff and Fb_j), W ≥ E_j + upstream drain, W ≥ M·T,
-                    step ≥ W, step ≥ max(E_j, E_j − backward_j + sync_j) + optimizer_j, and for
-                    the first stage (used_{j+1} = 0; big-M on used_{j+1}) the same with E_j = W
+                    step ≥ W, step ≥ E_j + optimizer_j, and the gradient-sync flow shop
+                    step ≥ E_j + (one row per run r and end of r, ``sync_tails``) + optimizer_j;
+                    for the first stage (used_{j+1} = 0; big-M on used_{j+1}) the same with E_j = W
     memory          per part slot q (a group of one type fills every slot with its one part):
                     Σ_{r,g} (σ_q + α_q·k_j)·y[r,j,g] + X_jq ≤ Σ_g mem_q(g)·u[j,g],  X_jq ≥ Σ_g ρ_q·v[r,j,g]
     group limits    Σ_r (σ_q + α_q·k_j)·y[r,j,g] ≤ mem_q(g)·u[j,g] per part;  with an incumbent I,
@@ -63,8 +64,8 @@ Constraints (one function each; every row named)
                     Σ_{r,j,(g,q) of type t} size_q·(σ_q + α_q·k_j)·y[r,j,g] ≤ N_t·mem_t
 
 Objective: the step time ``step`` — the closed form of ``_closed_form``: the critical paths of
-the schedule with transfers beside compute and gradient sync hidden behind the last backward
-where it fits, then the optimizer step.
+the schedule with transfers beside compute and each layer's gradient sync following that
+layer's last backward on one ring (a flow shop), then the optimizer step.
 """
 
 from __future__ import annotations
@@ -415,23 +416,63 @@ class StageModel:
         big = self.tail_limit_ms()
         self._bound(self.step, self.W, "step_covers_pipeline")
         for j in J:
-            tail = self.optimizer[j]
-            hidden = self.sync[j] - self.backward[j] + self.optimizer[j]
-            self._bound(self.step, self.E[j] + tail, f"step_optimizer_{j}")
-            self._bound(self.step, self.E[j] + hidden, f"step_sync_{j}")
             relax = big * self.used[j + 1] if j + 1 < self.J else 0
-            self._bound(self.step, self.W + tail - relax, f"step_first_optimizer_{j}")
-            self._bound(self.step, self.W + hidden - relax, f"step_first_sync_{j}")
+            self._bound(self.step, self.E[j] + self.optimizer[j], f"step_optimizer_{j}")
+            self._bound(self.step, self.W + self.optimizer[j] - relax, f"step_first_optimizer_{j}")
+            for r, tail in enumerate(self.sync_tails(j)):
+                self._bound(self.step, self.E[j] + tail, f"step_sync_{j}_{r}")
+                self._bound(self.step, self.W + tail - relax, f"step_first_sync_{j}_{r}")
+        if self.runs[0].count == 1:
+            # layer 0 is in the first stage, whose last backward ends at W and whose last bucket
+            # it is: step ≥ W + its sync + its optimizer step, without big-M (a[0, j] marks the first stage)
+            G = range(len(self.groups))
+            first = pulp.lpSum(
+                (self.entry(0, g).dp_sync_s + self.entry(0, g).optimizer_s) * MS * self.v[0, j, g] for j in J for g in G
+            )
+            self._bound(self.step, self.W + first, "step_first_layer_sync")
+
+    def sync_tails(self, j: int) -> list:
+        """Y_j − E_j + o_j for each candidate k of the flow shop in ``_closed_form``: the backward
+        pass visits runs last first, and within a run of equal layers the max over k is at one
+        of its ends, so k is the first or the last layer the pass visits of some run r:
+
+            k = r's last layer:   − Σ_{r′≤r} (b − y)·y[r′] + b_r·v[r] + o_j
+            k = r's first layer:  − Σ_{r′<r} (b − y)·y[r′] + y_r·v[r] + o_j
+
+        (b, y one layer's backward and sync on the stage's group). A run outside the stage gives
+        E_j or E_j − backward_j + sync_j + o_j, both still lower bounds."""
+        G = range(len(self.groups))
+
+        def backward(r, g):
+            return (self.entry(r, g).time_s - self.entry(r, g).forward_s) * MS
+
+        def sync(r, g):
+            return self.entry(r, g).dp_sync_s * MS
+
+        def exposed(runs):
+            return pulp.lpSum((backward(r, g) - sync(r, g)) * self.y[r, j, g] for r in runs for g in G)
+
+        tails = []
+        for r in range(len(self.runs)):
+            first_visited = pulp.lpSum(backward(r, g) * self.v[r, j, g] for g in G)
+            last_visited = pulp.lpSum(sync(r, g) * self.v[r, j, g] for g in G)
+            tails.append(self.optimizer[j] - exposed(range(r + 1)) + first_visited)
+            tails.append(self.optimizer[j] - exposed(range(r)) + last_visited)
+        return tails
 
     def tail_limit_ms(self) -> float:
-        """An upper bound on any stage's sync + optimizer time (ms): the big-M of the first-stage rows."""
+        """An upper bound on any stage's sync + optimizer time plus one layer's backward (ms): the
+        big-M of the first-stage rows."""
         total = 0.0
         for r, run in enumerate(self.runs):
             total += run.count * max(
                 (self.entry(r, g).dp_sync_s + self.entry(r, g).optimizer_s for g in range(len(self.groups))),
                 default=0.0,
             )
-        return total * MS
+        one_layer = max(
+            (self.entry(r, g).time_s for r in range(len(self.runs)) for g in range(len(self.groups))), default=0.0
+        )
+        return (total + one_layer) * MS
 
     def add_capacity(self) -> None:
         """Valid cuts the LP relaxation needs (without them fractional u splits one big group

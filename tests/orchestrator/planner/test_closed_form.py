@@ -14,12 +14,29 @@ SETTINGS = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages":
 @pytest.mark.parametrize(("S", "M"), [(1, 1), (2, 4), (4, 8), (3, 2)])
 def test_equal_stages_without_transfers_give_the_textbook_formula(schedule, S, M):
     f, b, y, o = 1.0, 2.0, 0.5, 0.25
-    closed = step_time([f] * S, [b] * S, [0.0] * S, [y] * S, [o] * S, M, schedule)
-    # the sync of the first stage starts with its last backward: y < b hides it entirely
-    assert closed.step_s == pytest.approx((S + M - 1) * (f + b) + o)
+    closed = step_time([f] * S, [[b]] * S, [0.0] * S, [[y]] * S, [o] * S, M, schedule)
+    # one layer per stage: its one bucket is ready when the last backward ends
+    assert closed.step_s == pytest.approx((S + M - 1) * (f + b) + y + o)
     assert sum(closed.breakdown.values()) == pytest.approx(closed.step_s)
-    exposed = step_time([f] * S, [b] * S, [0.0] * S, [b + y] * S, [o] * S, M, schedule)
-    assert exposed.breakdown["gradient_sync_s"] == pytest.approx(y)
+    assert closed.breakdown["gradient_sync_s"] == pytest.approx(y)
+
+
+@pytest.mark.parametrize(
+    ("backward", "sync", "exposed"),
+    [
+        # two layers, sync shorter than backward: only the first layer's bucket shows
+        ([1.0, 1.0], [0.5, 0.5], 0.5),
+        # sync longer than backward: the ring starts after the last layer's share and never idles
+        ([1.0, 1.0], [1.5, 1.5], 1.0 + 3.0 - 2.0),
+        # a big first layer (an embedding): its bucket is visited last and exposed whole
+        ([0.5, 1.5], [2.0, 0.5], 2.0),
+    ],
+)
+def test_gradient_sync_is_a_flow_shop_behind_the_last_backward(backward, sync, exposed):
+    """Buckets in reverse layer order, each after its layer's backward share, one at a time:
+    the makespan of a two-machine flow shop in a fixed order."""
+    closed = step_time([1.0], [backward], [0.0], [sync], [0.0], 1, "1f1b")
+    assert closed.breakdown["gradient_sync_s"] == pytest.approx(exposed)
 
 
 def _two_stage_plan(schedule: str, send_s: float) -> Plan:
@@ -28,7 +45,7 @@ def _two_stage_plan(schedule: str, send_s: float) -> Plan:
         Stage(devices=("h/0",), time_s=3.0 + 2 * send_s, forward_s=1.0, send_s=send_s, **stage),
         Stage(devices=("h/1",), time_s=3.0, forward_s=1.0, **{**stage, "layers": (1,)}),
     )
-    closed = step_time([1.0, 1.0], [2.0, 2.0], [send_s, 0.0], [0.0, 0.0], [0.0, 0.0], 4, schedule)
+    closed = step_time([1.0, 1.0], [[2.0], [2.0]], [send_s, 0.0], [[0.0], [0.0]], [0.0, 0.0], 4, schedule)
     return Plan(
         stages=stages, schedule=schedule, microbatches=4, global_batch=4, iteration_s=closed.step_s, breakdown={}
     )
@@ -40,7 +57,7 @@ def test_the_1f1b_in_flight_cycle_by_hand():
     backward i: B1 at 6 (L − b), B2 at 9 (B1 + 3), B3 at 14, B4 at 17, done at 19 s — not the
     (S + M − 1)·(c + 2·send) = 25 s of the old accounting, nor 2·1 + 4·3 + … = 17 s of a pipeline
     that ignores the cycle."""
-    closed = step_time([1.0, 1.0], [2.0, 2.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0], 4, "1f1b")
+    closed = step_time([1.0, 1.0], [[2.0], [2.0]], [1.0, 0.0], [[0.0], [0.0]], [0.0, 0.0], 4, "1f1b")
     assert closed.backward_start_s[0] == 6.0
     assert closed.step_s == 19.0
     replay = simulate(_two_stage_plan("1f1b", 1.0))
@@ -50,7 +67,7 @@ def test_the_1f1b_in_flight_cycle_by_hand():
 def test_gpipe_flow_shops_by_hand():
     """Same stages under GPipe: forwards end at 1 + 1 + 1 + 3·1 = 6 s (forward pace 1 s), the
     backwards at 6 + 2 + 1 + 2 + 3·2 = 17 s."""
-    closed = step_time([1.0, 1.0], [2.0, 2.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0], 4, "gpipe")
+    closed = step_time([1.0, 1.0], [[2.0], [2.0]], [1.0, 0.0], [[0.0], [0.0]], [0.0, 0.0], 4, "gpipe")
     assert closed.forward_end_s == 6.0
     assert closed.step_s == 17.0
     assert simulate(_two_stage_plan("gpipe", 1.0)).iteration_s == pytest.approx(17.0)

@@ -53,7 +53,7 @@ def test_a_slow_link_between_the_types_keeps_data_parallelism_off_it():
     assert any(stage.parts for stage in plan(fast, global_batch=48, microbatch_candidates=(1, 2, 4)).stages)
 
 
-@pytest.mark.parametrize("seed", [11, 20, 25, 27, 28])
+@pytest.mark.parametrize("seed", [11, 20, 25, 27, 36])
 def test_ilp_equals_enumeration_where_the_optimum_is_mixed(seed):
     model = random_instance(seed)
     settings = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages": 3}

@@ -68,7 +68,7 @@ def hand_plan(model: CostModel, schedule: str = "1f1b", microbatches: int = 4) -
         ((2, 3), "b", ("b-0/0", "b-0/1", "b-1/0", "b-1/1")),
     ]
     S, M = len(placement), microbatches
-    stages = []
+    stages, layer_backward, layer_sync = [], [], []
     for s, (layers, dtype, refs) in enumerate(placement):
         tp, dp = 2, 2
         tp_link = cluster.link(devices[refs[0]], devices[refs[1]])
@@ -80,6 +80,9 @@ def hand_plan(model: CostModel, schedule: str = "1f1b", microbatches: int = 4) -
             nbytes = model.layers[layers[-1]].activation_bytes * (GLOBAL_BATCH / M) / model.batch_size
             send = p2p_s(nbytes, cluster.link(devices[refs[0]], devices[placement[s + 1][2][0]]))
         in_flight = M if schedule == "gpipe" else min(M, S - s)
+        tp_forward = [all_reduce_s(c.breakdown.get("tp_forward_bytes", 0.0), tp, tp_link) for c in costs]
+        layer_backward.append([c.backward_s + c.tp_comm_s - t for c, t in zip(costs, tp_forward)])
+        layer_sync.append([c.dp_sync_s for c in costs])
         stages.append(
             Stage(
                 layers=layers,
@@ -104,9 +107,9 @@ def hand_plan(model: CostModel, schedule: str = "1f1b", microbatches: int = 4) -
         )
     closed = step_time(
         [x.forward_s for x in stages],
-        [x.time_s - 2 * x.send_s - x.forward_s for x in stages],
+        layer_backward,
         [x.send_s for x in stages],
-        [x.dp_sync_s for x in stages],
+        layer_sync,
         [x.optimizer_s for x in stages],
         M,
         schedule,
