@@ -3,7 +3,8 @@
 The ILP (``_ilp``) fixes M so that in-flight activations (which depend on a
 stage's distance from the end of the pipeline) stay linear, and each M's model
 is solved once per stage count S (a *piece*: positions ≥ S closed, S − 1 open),
-all pieces of one M in one HiGHS session. The search runs in three steps:
+the pieces of one M in its HiGHS sessions, up to one solve per core at once
+(``_workers``). The search runs in three steps:
 
 1. the balanced heuristic and the baselines give a first incumbent (at most a
    third of the time);
@@ -26,6 +27,7 @@ bound, or the solve-free capacity bound), so the gap covers the whole search spa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -51,6 +53,7 @@ from orchestrator.planner._migration import Migration
 from orchestrator.planner._packing import PackingBound
 from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._table import CostTable
+from orchestrator.planner._workers import PieceWorkers, default_workers
 from orchestrator.solver import HighsSession, highs_available, solve
 
 log = logging.getLogger(__name__)
@@ -269,10 +272,11 @@ class _Piece:
     of many stages, which hides the pipeline fill — so a piece proves its bound far sooner
     than the whole model of its M (``orchestrator bench planner``, 30 s: mamba-130m ×
     mixed-a100-v100 certified to 0.3% in 14 s, where one model per M stayed at 38%). The
-    pieces of one M share a HiGHS session (one model, bounds changed per solve)."""
+    pieces of one M share its HiGHS sessions (the model loaded once per session, bounds
+    changed per solve; ``_workers`` opens another when two pieces of one M solve at once)."""
 
     model: StageModel
-    session: HighsSession
+    sessions: list[HighsSession]
     stages: int
     bound_s: float  # certified lower bound (s); inf once it cannot beat the incumbent
     done: bool = False
@@ -286,7 +290,7 @@ class _Piece:
 
     def split(self) -> list[_Piece]:
         """A tail piece's stage counts as pieces of their own, each keeping its bound."""
-        return [_Piece(self.model, self.session, S, bound_s=self.bound_s) for S in range(self.stages, self.last + 1)]
+        return [_Piece(self.model, self.sessions, S, bound_s=self.bound_s) for S in range(self.stages, self.last + 1)]
 
 
 def _or_relaxation(result, sub: StageModel, relax):
@@ -301,10 +305,11 @@ def _or_relaxation(result, sub: StageModel, relax):
     return dataclasses.replace(result, bound=max(result.bound, relaxed), status=status)
 
 
-def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, options: dict | None = None):
-    """Solve ``piece`` for better plans than ``best`` (score s, evaluation, stages, groups, M)
-    (started from it when it has the piece's M and S); a search stopped before its root
-    bound reports its relaxation's bound."""
+def _piece_solve(piece: _Piece, best, *, gap: float, time_limit_s: float, options: dict | None = None):
+    """A job for :class:`PieceWorkers`: given a session of the piece's model, prepare (now, on
+    this thread: the start writes the model's variables) and return the solve of ``piece`` for
+    better plans than ``best`` (score s, evaluation, stages, groups, M), started from it when it
+    has the piece's M and S; a search stopped before its root bound reports its relaxation's bound."""
     sub, S = piece.model, piece.stages
     closed = {sub.u[j, g]: (0.0, 0.0) for j in range(piece.last, sub.J) for g in range(len(sub.groups))}
     rows = {f"stage_order_one_group_{S - 1}": (1.0, 1.0)}
@@ -312,20 +317,31 @@ def _solve_piece(piece: _Piece, best, *, gap: float, time_limit_s: float, option
     warm = ours and sub.set_start(best[2], best[3])
     cutoff = None if warm or best is None else _cutoff_ms(best, gap)
     piece.limit_s = time_limit_s
-    result = piece.session.solve(
-        columns=closed, rows=rows, time_limit_s=time_limit_s, gap=gap, cutoff=cutoff, use_start=warm, options=options
+
+    def prepare(session: HighsSession):
+        start = session.current() if warm else None
+        return functools.partial(_solve, piece, session, closed, rows, cutoff, start, gap, time_limit_s, options)
+
+    return prepare
+
+
+def _solve(piece: _Piece, session: HighsSession, closed, rows, cutoff, start, gap, time_limit_s, options):
+    """The solve of :func:`_piece_solve` (on a worker thread: touches only ``session``)."""
+    sub = piece.model
+    result = session.solve(
+        columns=closed, rows=rows, time_limit_s=time_limit_s, gap=gap, cutoff=cutoff, start=start, options=options
     )
     result = _or_relaxation(
         result,
         sub,
-        lambda: piece.session.relaxation_bound(columns=closed, rows=rows, time_limit_s=max(0.2, time_limit_s)),
+        lambda: session.relaxation_bound(columns=closed, rows=rows, time_limit_s=max(0.2, time_limit_s)),
     )
     if cutoff is not None and result.status == "Infeasible":  # no plan below the cutoff: that is its bound
         result = dataclasses.replace(result, status=CUT_OFF, bound=cutoff)
     log.debug(
         "M=%d, %d–%d stages: %s in %.2f s, objective %.6g ms, bound %.6g ms",
         sub.M,
-        S,
+        piece.stages,
         piece.last,
         result.status,
         result.solve_s,
@@ -356,6 +372,52 @@ def _cutoff_ms(best, gap: float) -> float:
     (session 11). A piece with no plan below the cutoff gets the cutoff as its bound, so the
     certified gap still covers the whole search space; it is then at most ``gap``, not 0."""
     return best[0] * MS * (1 - max(gap * (1 - 1e-6), 1e-9))  # (a hair inside, so rounding never reports gap+)
+
+
+def _first_pass(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float, deadline: float) -> list[_Piece]:
+    """A short presolve-free solve of every piece, fewest stages first (``best()``: the incumbent
+    now); a tail piece that does not close at once goes on as one piece per stage count. Returns
+    every piece, solved or not."""
+    queue, kept = list(pieces), []
+
+    def settle(piece: _Piece) -> None:
+        if piece.most and not piece.done:
+            queue.extend(piece.split())
+        else:
+            kept.append(piece)
+
+    while (queue or workers.running) and (left := deadline - time.perf_counter()) > 0:
+        for piece in list(queue):
+            if piece.done:
+                queue.remove(piece)
+                kept.append(piece)
+            elif workers.can_start(piece):
+                queue.remove(piece)
+                first = min(FIRST_PASS_S, max(0.05, left * workers.workers / (2 * (len(queue) + 1))))
+                workers.start(piece, _piece_solve(piece, best(), gap=gap, time_limit_s=first, options=MIP_OPTIONS))
+            if workers.full:
+                break
+        for piece in workers.finish_one():
+            settle(piece)
+    for piece in workers.drain():
+        settle(piece)
+    return kept + queue
+
+
+def _rounds(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float, deadline: float) -> None:
+    """Solve the open pieces again, weakest bound first, each with a fair share of the time
+    left and at least twice its last try (each try starts over), until all close or time is up."""
+    while (left := deadline - time.perf_counter()) > 0.05:
+        waiting = sorted((p for p in pieces if not p.done and not workers.is_running(p)), key=lambda p: p.bound_s)
+        if not waiting and not workers.running:
+            break
+        open_count = len(waiting) + len(workers.running)
+        for piece in waiting:
+            if workers.can_start(piece):
+                limit = min(left, max(0.1, left * workers.workers / open_count, 2 * piece.limit_s))
+                workers.start(piece, _piece_solve(piece, best(), gap=gap, time_limit_s=limit))
+        workers.finish_one()
+    workers.drain()
 
 
 def plan(
@@ -544,33 +606,13 @@ def plan(
             lower = min(lower, floor)
             continue
         tail = min(TAIL_FROM, sub.J)  # stage counts from here on start as one piece
-        pieces += [_Piece(sub, session, S, bound_s=floor) for S in range(1, tail)]
-        pieces.append(_Piece(sub, session, tail, bound_s=floor, most=sub.J))
-    # first pass: a short presolve-free solve of every piece, fewest stages first; a tail piece
-    # that does not close at once goes on as one piece per stage count
+        sessions = [session]
+        pieces += [_Piece(sub, sessions, S, bound_s=floor) for S in range(1, tail)]
+        pieces.append(_Piece(sub, sessions, tail, bound_s=floor, most=sub.J))
     pieces.sort(key=lambda p: p.stages)
-    queue, pieces = list(pieces), []
-    while queue and (left := time_limit_s - (time.perf_counter() - started)) > 0:
-        piece = queue.pop(0)
-        if not piece.done:
-            first = min(FIRST_PASS_S, max(0.05, left / (2 * (len(queue) + 1))))
-            record(piece.model, _solve_piece(piece, best, gap=gap, time_limit_s=first, options=MIP_OPTIONS), piece)
-        if piece.most and not piece.done:
-            queue += piece.split()
-        else:
-            pieces.append(piece)
-    pieces += queue
-    # then rounds over the open pieces, weakest bound first, sharing the time left
-    while (waiting := sorted((p for p in pieces if not p.done), key=lambda p: p.bound_s)) and (
-        time.perf_counter() - started < time_limit_s - 0.05
-    ):
-        for index, piece in enumerate(waiting):
-            left = time_limit_s - (time.perf_counter() - started)
-            if left <= 0.05:
-                break
-            if not piece.done:  # a fair share, and at least twice its last try (each try starts over)
-                limit = min(left, max(0.1, left / (len(waiting) - index), 2 * piece.limit_s))
-                record(piece.model, _solve_piece(piece, best, gap=gap, time_limit_s=limit), piece)
+    with PieceWorkers(default_workers(), lambda piece, result: record(piece.model, result, piece)) as workers:
+        pieces = _first_pass(pieces, workers, lambda: best, gap=gap, deadline=started + time_limit_s)
+        _rounds(pieces, workers, lambda: best, gap=gap, deadline=started + time_limit_s)
     for piece in pieces:
         lower = min(lower, piece.bound_s)
         if not piece.done:

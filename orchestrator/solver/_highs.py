@@ -33,6 +33,8 @@ class SolveResult:
       bound: the proven lower bound (minimisation).
       gap: (objective − bound) / objective; 0 when proven optimal.
       solve_s: wall-clock seconds in the solver.
+      values: the solution's column values, from a :class:`HighsSession` (in the order of its
+        ``variables``; ``HighsSession.assign`` writes them to the variables); None otherwise.
     """
 
     solver: str
@@ -42,6 +44,7 @@ class SolveResult:
     bound: float
     gap: float
     solve_s: float
+    values: tuple[float, ...] | None = None
 
 
 class HighsWithStart(pulp.HiGHS):

@@ -35,6 +35,7 @@ def test_solves_under_changed_bounds_match_fresh_models_and_the_bounds_come_back
         for value in (0.0, 1.0):
             result = session.solve(columns={x[name]: (value, value)}, time_limit_s=10, gap=0.0)
             assert result.objective == pytest.approx(fresh_objective({name: value}))
+            session.assign(result)
             assert x[name].varValue == pytest.approx(value)
     only_one = session.solve(rows={"count": (None, 1.0)}, time_limit_s=10, gap=0.0)
     assert only_one.objective == pytest.approx(fresh_objective({}, count_upper=1))
@@ -73,3 +74,24 @@ def test_a_reused_session_is_not_stopped_by_an_earlier_deadline():
         stopped = session.solve(time_limit_s=1e-4, gap=0.0)
         assert stopped.status == "Time limit reached"
     assert session.solve(time_limit_s=20, gap=0.0).status == "Optimal"
+
+
+def test_two_sessions_of_one_problem_solve_on_two_threads_without_touching_its_variables():
+    """Solutions come back as values; the variables change only when :meth:`assign` writes them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lp = multi_knapsack(items=24, seed=1)
+    first, second = HighsSession(lp), HighsSession(lp)
+    for v in lp.variables():
+        v.varValue = None
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda s: s.solve(time_limit_s=20, gap=0.0), (first, second)))
+    assert all(v.varValue is None for v in lp.variables())
+    assert results[0].objective == pytest.approx(results[1].objective)
+    assert results[0].objective == pytest.approx(
+        solve(multi_knapsack(items=24, seed=1), time_limit_s=20, gap=0.0).objective
+    )
+    first.assign(results[0])
+    assert pulp.value(lp.objective) == pytest.approx(results[0].objective)
+    restarted = second.solve(time_limit_s=20, gap=0.0, start=second.current())
+    assert restarted.objective == pytest.approx(results[0].objective)
