@@ -386,7 +386,7 @@ def _first_pass(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float
         else:
             kept.append(piece)
 
-    while (queue or workers.running) and (left := deadline - time.perf_counter()) > 0:
+    while (queue or workers.running) and (left := deadline - time.perf_counter()) > workers.overrun_s:
         for piece in list(queue):
             if piece.done:
                 queue.remove(piece)
@@ -407,14 +407,14 @@ def _first_pass(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float
 def _rounds(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float, deadline: float) -> None:
     """Solve the open pieces again, weakest bound first, each with a fair share of the time
     left and at least twice its last try (each try starts over), until all close or time is up."""
-    while (left := deadline - time.perf_counter()) > 0.05:
+    while (left := deadline - time.perf_counter()) > 0.05 + workers.overrun_s:
         waiting = sorted((p for p in pieces if not p.done and not workers.is_running(p)), key=lambda p: p.bound_s)
         if not waiting and not workers.running:
             break
         open_count = len(waiting) + len(workers.running)
         for piece in waiting:
             if workers.can_start(piece):
-                limit = min(left, max(0.1, left * workers.workers / open_count, 2 * piece.limit_s))
+                limit = min(left - workers.overrun_s, max(0.1, left * workers.workers / open_count, 2 * piece.limit_s))
                 workers.start(piece, _piece_solve(piece, best(), gap=gap, time_limit_s=limit))
         workers.finish_one()
     workers.drain()

@@ -31,22 +31,20 @@ gradient sync y_s, optimizer o_s, from the plan — see ``_inputs``):
 
 The planner's closed form (``orchestrator.planner._closed_form``) is the max
 over the critical paths of this same schedule — transfers beside compute on
-their own link, the 1F1B in-flight cycle, each stage's sync hidden behind its
-last backward where it fits — each a lower bound on the replay. It differs by
-design when:
+their own link, the 1F1B in-flight cycle, each stage's per-layer sync buckets
+behind its last backward (a two-machine flow shop, exact for these buckets) —
+each a lower bound on the replay. It differs by design when:
 
 * the plan's devices sit on faster links than the pessimistic one the planner
   prices a transfer on, or the data-parallel replicas of a stage send their
   shares over several links at once — shorter; contention on a shared link
   (point-to-point beside a sync ring) — longer;
-* gradient sync is split per layer here: a bucket waits for its layer's last
-  backward, where the closed form lets the whole sync start with it — longer;
 * several critical paths nearly tie, so delays add up — longer.
 
-On the 34 instances of ``orchestrator bench planner`` that have a plan (27
-random chains, 7 recipes on presets; 1F1B) the replay lies within −0.81% and
-+1.43% of the closed form; GPipe on the 26 feasible random chains: within
-+0.81%. With ``overlap_p2p=False, overlap_dp_sync=False``, no cost model and
+On the 35 instances of ``orchestrator bench planner`` that have a plan (27
+random chains, 8 recipes on presets; 1F1B; session 12) the replay lies within
+−1.83% and 0.00% of the closed form (the random chains, one device type per
+stage or two, within 2e-16). With ``overlap_p2p=False, overlap_dp_sync=False``, no cost model and
 equal stages, the replay is the
 textbook ``(S + M − 1)·t + y + o`` with ``t`` counting both transfers.
 """

@@ -1,0 +1,60 @@
+"""PieceWorkers: solves of one model on two threads open a second session; results come back
+on the caller's thread, written to the variables only there."""
+
+import threading
+from dataclasses import dataclass, field
+
+import pulp
+import pytest
+
+from orchestrator.planner._workers import PieceWorkers
+from orchestrator.solver import HighsSession, solve
+
+
+def knapsack(items: int = 22, seed: int = 3) -> pulp.LpProblem:
+    import random
+
+    rng = random.Random(seed)
+    lp = pulp.LpProblem("knapsack", pulp.LpMinimize)
+    x = [lp.add_variable(f"x{i}", cat="Binary") for i in range(items)]
+    lp += -pulp.lpSum(rng.randint(10, 60) * v for v in x), "value"
+    for row in range(2):
+        weights = [rng.randint(5, 40) for _ in x]
+        lp += pulp.lpSum(w * v for w, v in zip(weights, x)) <= sum(weights) // 3, f"capacity_{row}"
+    return lp
+
+
+@dataclass
+class Model:
+    lp: pulp.LpProblem
+
+
+@dataclass
+class Piece:
+    model: Model
+    sessions: list = field(default_factory=list)
+    limit_s: float = 10.0
+
+
+def test_two_pieces_of_one_model_run_at_once_on_two_sessions_and_record_on_the_callers_thread():
+    lp = knapsack()
+    optimum = solve(knapsack(), time_limit_s=20, gap=0.0).objective
+    sessions = [HighsSession(lp)]
+    pieces = [Piece(Model(lp), sessions), Piece(Model(lp), sessions)]
+    recorded = []
+
+    def record(piece, result):
+        recorded.append((piece, result.objective, threading.current_thread() is threading.main_thread()))
+        assert pulp.value(lp.objective) == pytest.approx(result.objective)  # written back before record
+
+    def prepare(session):
+        return lambda: session.solve(time_limit_s=20, gap=0.0)
+
+    with PieceWorkers(2, record) as workers:
+        for piece in pieces:
+            assert workers.can_start(piece)
+            workers.start(piece, prepare)
+        assert workers.full and workers.is_running(pieces[0]) and not workers.can_start(pieces[0])
+        assert len(sessions) == 2  # the first was busy, so the second piece loaded the model again
+    assert sorted(id(p) for p, _, _ in recorded) == sorted(id(p) for p in pieces)
+    assert all(objective == pytest.approx(optimum) and on_main for _, objective, on_main in recorded)
