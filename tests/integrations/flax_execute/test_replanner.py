@@ -105,7 +105,7 @@ def scenario():
     logger.setLevel(logging.INFO)
     out = types.SimpleNamespace(
         recipe=recipe, batches=batches, run=run, replanner=replanner, cautious=cautious, records=records,
-        losses=[], layers_on_slowed=[], switch=None, states={},
+        losses=[], layers_on_slowed=[], work_on_slowed=[], switch=None, states={},
     )  # fmt: skip
     try:
         for step in range(ONSET + BOUND + 2 + AFTER):
@@ -115,6 +115,7 @@ def scenario():
             plan_before = run.plan
             out.losses.append(float(run.step(batches[step % 4])["loss"]))
             out.layers_on_slowed.append(_layers_on(run, slowed))
+            out.work_on_slowed.append(_forward_flops_on(run, slowed))
             if out.switch is None and run.plan is not plan_before:
                 out.switch = step
                 out.states["before"] = _host(last.state)  # what the old plan's step returned
@@ -138,6 +139,13 @@ def _layers_on(run, devices) -> int:
     return sum(len(s.layers) for s in run.plan.stages if {placed[r].id for r in s.devices} & devices)
 
 
+def _forward_flops_on(run, devices) -> float:
+    """Forward FLOPs of the layers held by stages on any of ``devices``: the work the slowdown repeats."""
+    placed = device_map(run.cluster)
+    held = [s for s in run.plan.stages if {placed[r].id for r in s.devices} & devices]
+    return sum(run.layers[i].forward_flops for s in held for i in s.layers)
+
+
 def test_slowed_stage_loses_layers_within_bounded_steps_and_step_time_improves(scenario):
     replanner, switch = scenario.replanner, scenario.switch
     assert switch is not None, [d.message for d in replanner.decisions]
@@ -147,7 +155,11 @@ def test_slowed_stage_loses_layers_within_bounded_steps_and_step_time_improves(s
     assert decision.gain_s > decision.cost_s > 0
     assert decision.predicted_new_s < decision.predicted_current_s
     assert decision.drift[0] > THRESHOLD and decision.stage_layers == ((0, 1), (2, 3))
-    assert scenario.layers_on_slowed[switch - 1] == 2 and scenario.layers_on_slowed[-1] < 2
+    # the slowed devices keep less of the work the slowdown repeats: fewer layers, or the light ones
+    # (embedding and head alone, a block moved off: plans a few percent apart, chosen by the profile)
+    stages = [(s.layers, s.devices) for s in scenario.run.plan.stages]
+    assert scenario.layers_on_slowed[switch - 1] == 2, stages
+    assert scenario.work_on_slowed[-1] < 0.5 * scenario.work_on_slowed[switch - 1], stages
     # The same drift with a one-step horizon: a new plan is proposed, and rejected because it does not pay.
     [kept] = [d for d in scenario.cautious.decisions if d.action == "keep"]
     assert kept.step == switch and kept.new_stage_layers != kept.stage_layers
