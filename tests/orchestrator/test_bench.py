@@ -74,3 +74,21 @@ def test_bench_replan_json_reports_warm_and_cold_for_every_re_plan():
             assert {"warm_s", "cold_s", "objective_warm", "objective_cold"} <= case.keys()
     migration = next(case for case in cases if case["name"].startswith("migration"))
     assert migration["layers_moved_warm"] == 0 < migration["layers_moved_cold"]
+
+
+def test_bench_planner_json_has_every_field_and_the_ilp_is_never_worse():
+    result = CliRunner().invoke(app, ["bench", "planner", "--quick", "--time-limit-s", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["instances"]
+    assert [r["preset"] for r in rows] == [None] * 6 + ["a100x8", "mixed-a100-v100"]
+    for row in rows:
+        assert {"name", "preset", "ilp", "baselines", "exhaustive"} <= set(row)
+        if row["ilp"] is None:  # an infeasible random chain: enumeration finds nothing either
+            assert row["exhaustive"] is None
+            continue
+        assert {"objective", "bound", "gap", "solve_s"} <= set(row["ilp"])
+        assert row["ilp"]["bound"] <= row["ilp"]["objective"] * (1 + 1e-9)
+        for baseline in row["baselines"].values():
+            assert baseline is None or row["ilp"]["objective"] <= baseline * (1 + 1e-9)
+        if row["preset"] is None:
+            assert row["ilp"]["objective"] == pytest.approx(row["exhaustive"], rel=1e-6)
