@@ -44,8 +44,8 @@ each a lower bound on the replay. It differs by design when:
 On the instances of ``orchestrator bench planner`` that have a plan (1F1B,
 session 12) the replay lies within 2e-16 of the closed form on the 27 random
 chains (one device type per stage or two), within −4.3% and +1.8% on the
-recipes up to 64 devices, and 0.1–32% below it on ``mixed-4type-512``, whose
-real links are faster than the slowest one the planner assumes between types. With ``overlap_p2p=False, overlap_dp_sync=False``, no cost model and
+recipes up to 64 devices, and 0.1–32% below it on ``mixed-4type-512``, where
+data-parallel replicas on several hosts take their shares over several links. With ``overlap_p2p=False, overlap_dp_sync=False``, no cost model and
 equal stages, the replay is the
 textbook ``(S + M − 1)·t + y + o`` with ``t`` counting both transfers.
 """
