@@ -422,14 +422,6 @@ class StageModel:
             for r, tail in enumerate(self.sync_tails(j)):
                 self._bound(self.step, self.E[j] + tail, f"step_sync_{j}_{r}")
                 self._bound(self.step, self.W + tail - relax, f"step_first_sync_{j}_{r}")
-        if self.runs[0].count == 1:
-            # layer 0 is in the first stage, whose last backward ends at W and whose last bucket
-            # it is: step ≥ W + its sync + its optimizer step, without big-M (a[0, j] marks the first stage)
-            G = range(len(self.groups))
-            first = pulp.lpSum(
-                (self.entry(0, g).dp_sync_s + self.entry(0, g).optimizer_s) * MS * self.v[0, j, g] for j in J for g in G
-            )
-            self._bound(self.step, self.W + first, "step_first_layer_sync")
 
     def sync_tails(self, j: int) -> list:
         """Y_j − E_j + o_j for each candidate k of the flow shop in ``_closed_form``: the backward

@@ -9,19 +9,7 @@ import pytest
 
 from orchestrator.planner._workers import PieceWorkers
 from orchestrator.solver import HighsSession, solve
-
-
-def knapsack(items: int = 22, seed: int = 3) -> pulp.LpProblem:
-    import random
-
-    rng = random.Random(seed)
-    lp = pulp.LpProblem("knapsack", pulp.LpMinimize)
-    x = [lp.add_variable(f"x{i}", cat="Binary") for i in range(items)]
-    lp += -pulp.lpSum(rng.randint(10, 60) * v for v in x), "value"
-    for row in range(2):
-        weights = [rng.randint(5, 40) for _ in x]
-        lp += pulp.lpSum(w * v for w, v in zip(weights, x)) <= sum(weights) // 3, f"capacity_{row}"
-    return lp
+from tests.orchestrator.solver.test_session import multi_knapsack
 
 
 @dataclass
@@ -37,8 +25,8 @@ class Piece:
 
 
 def test_two_pieces_of_one_model_run_at_once_on_two_sessions_and_record_on_the_callers_thread():
-    lp = knapsack()
-    optimum = solve(knapsack(), time_limit_s=20, gap=0.0).objective
+    lp = multi_knapsack(items=22, seed=3)
+    optimum = solve(multi_knapsack(items=22, seed=3), time_limit_s=20, gap=0.0).objective
     sessions = [HighsSession(lp)]
     pieces = [Piece(Model(lp), sessions), Piece(Model(lp), sessions)]
     recorded = []
