@@ -26,6 +26,95 @@ class Evaluation:
     stage_optimizer_s: tuple[float, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class StageSummary:
+    """One stage's part of an :class:`Evaluation` (per microbatch, except memory)."""
+
+    time_s: float  # compute plus both directions of its outgoing transfer
+    forward_s: float
+    send_s: float
+    memory_bytes: float  # the fullest part's bytes per device
+    fits: bool
+    sync_s: float
+    optimizer_s: float
+    layer_backward_s: tuple[float, ...]
+    layer_sync_s: tuple[float, ...]
+
+
+def summarize_stage(
+    layers, group: GroupConfig, next_type: str | None, microbatches: int, in_flight_microbatches: int, *, table, links
+) -> StageSummary | None:
+    """A stage's times and memory; None when the group's data parallelism does not divide the
+    microbatch. ``next_type``: the next stage's device type (None for the last stage)."""
+    if table.microbatch(group, microbatches) is None:
+        return None
+    entries = [table.entry(l, group, microbatches) for l in layers]
+    send = 0.0 if next_type is None else table.send_s(layers[-1], microbatches, links[group.device_type, next_type])
+    parts = [table.memory_parts(l, group, microbatches) for l in layers]
+    peak, fits = 0.0, True
+    for p, (capacity, _) in enumerate(parts[0]):
+        held = [part[p][1] for part in parts]
+        memory = sum(e.static_bytes + e.activation_bytes * in_flight_microbatches for e in held) + max(
+            e.transient_bytes for e in held
+        )
+        fits &= memory <= capacity
+        peak = max(peak, memory)
+    return StageSummary(
+        time_s=sum(e.time_s for e in entries) + 2 * send,
+        forward_s=sum(e.forward_s for e in entries),
+        send_s=send,
+        memory_bytes=peak,
+        fits=fits,
+        sync_s=sum(e.dp_sync_s for e in entries),
+        optimizer_s=sum(e.optimizer_s for e in entries),
+        layer_backward_s=tuple(e.time_s - e.forward_s for e in entries),
+        layer_sync_s=tuple(e.dp_sync_s for e in entries),
+    )
+
+
+def combine(
+    summaries: list[StageSummary | None],
+    groups: list[GroupConfig],
+    microbatches: int,
+    *,
+    infos,
+    schedule: str,
+    report_infeasible: bool = True,
+) -> Evaluation:
+    """The plan's evaluation from its stages' summaries: fits if every stage fits and no type's
+    devices are over-used; the step time is the closed form (computed for a plan that does not fit
+    too, unless ``report_infeasible`` is False)."""
+    if any(s is None for s in summaries):
+        return Evaluation(False, float("inf"), (), (), {})
+    used: dict[str, int] = {}
+    for group in groups:
+        for name, n in group.by_type.items():
+            used[name] = used.get(name, 0) + n
+    feasible = all(s.fits for s in summaries) and all(n <= infos[t].devices for t, n in used.items())
+    if not feasible and not report_infeasible:
+        return Evaluation(False, float("inf"), (), (), {})
+    closed = step_time(
+        [s.forward_s for s in summaries],
+        [list(s.layer_backward_s) for s in summaries],
+        [s.send_s for s in summaries],
+        [list(s.layer_sync_s) for s in summaries],
+        [s.optimizer_s for s in summaries],
+        microbatches,
+        schedule,
+    )
+    return Evaluation(
+        feasible,
+        closed.step_s,
+        tuple(s.time_s for s in summaries),
+        tuple(s.memory_bytes for s in summaries),
+        closed.breakdown,
+        tuple(s.forward_s for s in summaries),
+        tuple(s.send_s for s in summaries),
+        tuple(s.sync_s for s in summaries),
+        tuple(s.optimizer_s for s in summaries),
+    )
+
+
 def evaluate(
     stages: list[list[int]],
     groups: list[GroupConfig],
@@ -38,49 +127,16 @@ def evaluate(
 ) -> Evaluation:
     """``links[(t, t2)]``: the link a stage on type t uses to send to a next stage on type t2."""
     S = len(stages)
-    times, memories, syncs, optims, forwards, sends = [], [], [], [], [], []
-    layer_backwards, layer_syncs = [], []
-    feasible = True
-    used: dict[str, int] = {}
-    for s, (layers, group) in enumerate(zip(stages, groups)):
-        if table.microbatch(group, microbatches) is None:
-            return Evaluation(False, float("inf"), (), (), {})
-        entries = [table.entry(l, group, microbatches) for l in layers]
-        t = sum(e.time_s for e in entries)
-        send = (
-            table.send_s(layers[-1], microbatches, links[group.device_type, groups[s + 1].device_type])
-            if s < S - 1
-            else 0.0
+    summaries = [
+        summarize_stage(
+            layers,
+            group,
+            groups[s + 1].device_type if s < S - 1 else None,
+            microbatches,
+            in_flight(schedule, microbatches, S, s),
+            table=table,
+            links=links,
         )
-        t += 2 * send
-        forwards.append(sum(e.forward_s for e in entries))
-        sends.append(send)
-        k = in_flight(schedule, microbatches, S, s)
-        parts = [table.memory_parts(l, group, microbatches) for l in layers]
-        peak = 0.0  # the fullest part's bytes per device
-        for p, (capacity, _) in enumerate(parts[0]):
-            held = [part[p][1] for part in parts]
-            memory = sum(e.static_bytes + e.activation_bytes * k for e in held) + max(e.transient_bytes for e in held)
-            feasible &= memory <= capacity
-            peak = max(peak, memory)
-        for name, n in group.by_type.items():
-            used[name] = used.get(name, 0) + n
-        times.append(t)
-        memories.append(peak)
-        syncs.append(sum(e.dp_sync_s for e in entries))
-        layer_backwards.append([e.time_s - e.forward_s for e in entries])
-        layer_syncs.append([e.dp_sync_s for e in entries])
-        optims.append(sum(e.optimizer_s for e in entries))
-    feasible &= all(n <= infos[t].devices for t, n in used.items())
-    closed = step_time(forwards, layer_backwards, sends, layer_syncs, optims, microbatches, schedule)
-    return Evaluation(
-        feasible,
-        closed.step_s,
-        tuple(times),
-        tuple(memories),
-        closed.breakdown,
-        tuple(forwards),
-        tuple(sends),
-        tuple(syncs),
-        tuple(optims),
-    )
+        for s, (layers, group) in enumerate(zip(stages, groups))
+    ]
+    return combine(summaries, groups, microbatches, infos=infos, schedule=schedule)
