@@ -178,7 +178,7 @@ class _Moves:
             free = self.free(groups[:s] + groups[s + 1 :])
             for g in self.fitting(free):
                 if g != groups[s]:
-                    yield parts, groups[:s] + (g,) + groups[s + 1 :], M
+                    yield parts, _with(groups, s, (g,)), M
         for s in range(S):  # swap
             for s2 in range(s + 1, S):
                 if groups[s] != groups[s2]:
