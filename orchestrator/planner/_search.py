@@ -80,6 +80,8 @@ MIXED_HOSTS = 16
 # the local search around the first incumbent (``_polish``) gets at most this share of the budget: on
 # gpt2-small × mixed-4type-512 it took the heuristic's 113.5 ms to 62.8 ms in 3.3 s (session 13)
 POLISH_SHARE = 1 / 6
+# what building the plan after the search takes at most: 30–40 ms on GPT-175B's 16 stages
+FINISH_S = 0.1
 # each M's whole-model LP relaxation gets at most this long: the bound of its pieces never reached
 # (gpt-13b × mixed-4type-64: 70.2 s against the 32.0 s capacity bound, 0.7–2.5 s per M)
 RELAXATION_S = 2.0
@@ -401,11 +403,12 @@ def _first_pass(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float
                 workers.start(piece, _piece_solve(piece, best(), gap=gap, time_limit_s=first, options=MIP_OPTIONS))
             if workers.full:
                 break
-        for piece in workers.finish_one():
+        for piece in workers.finish_one(deadline):
             settle(piece)
-    for piece in workers.drain():
+    for piece in workers.drain(deadline):
         settle(piece)
-    return kept + queue
+    # solves left running at the deadline: their pieces stay open with the bounds they had
+    return kept + queue + [piece for piece, _ in workers.running.values()]
 
 
 def _rounds(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float, deadline: float) -> None:
@@ -420,8 +423,8 @@ def _rounds(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float, de
             if workers.can_start(piece):
                 limit = min(left - workers.overrun_s, max(0.1, left * workers.workers / open_count, 2 * piece.limit_s))
                 workers.start(piece, _piece_solve(piece, best(), gap=gap, time_limit_s=limit))
-        workers.finish_one()
-    workers.drain()
+        workers.finish_one(deadline)
+    workers.drain(deadline)
 
 
 def plan(
@@ -631,8 +634,10 @@ def plan(
         pieces.append(_Piece(sub, sessions, tail, bound_s=floor, most=sub.J))
     pieces.sort(key=lambda p: p.stages)
     with PieceWorkers(default_workers(), lambda piece, result: record(piece.model, result, piece)) as workers:
-        pieces = _first_pass(pieces, workers, lambda: best, gap=gap, deadline=started + time_limit_s)
-        _rounds(pieces, workers, lambda: best, gap=gap, deadline=started + time_limit_s)
+        # the search ends a little early, so the plan (devices, explanation) is built within the limit
+        searched_by = started + time_limit_s - min(FINISH_S, time_limit_s / 100)
+        pieces = _first_pass(pieces, workers, lambda: best, gap=gap, deadline=searched_by)
+        _rounds(pieces, workers, lambda: best, gap=gap, deadline=searched_by)
     for piece in pieces:
         lower = min(lower, piece.bound_s)
         if not piece.done:

@@ -1,7 +1,9 @@
 """PieceWorkers: solves of one model on two threads open a second session; results come back
-on the caller's thread, written to the variables only there."""
+on the caller's thread, written to the variables only there; at the deadline a solve still
+running is left behind."""
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pulp
@@ -44,5 +46,27 @@ def test_two_pieces_of_one_model_run_at_once_on_two_sessions_and_record_on_the_c
             workers.start(piece, prepare)
         assert workers.full and workers.is_running(pieces[0]) and not workers.can_start(pieces[0])
         assert len(sessions) == 2  # the first was busy, so the second piece loaded the model again
+        assert {id(p) for p in workers.drain()} == {id(p) for p in pieces}
     assert sorted(id(p) for p, _, _ in recorded) == sorted(id(p) for p in pieces)
     assert all(objective == pytest.approx(optimum) and on_main for _, objective, on_main in recorded)
+
+
+def test_a_solve_still_running_at_the_deadline_is_left_behind_unrecorded():
+    lp = multi_knapsack(items=22, seed=3)
+    piece, recorded, release = Piece(Model(lp), [HighsSession(lp)]), [], threading.Event()
+
+    def prepare(session):
+        def slow():  # a solve that overruns its limit, as a root LP does
+            release.wait(10)
+            return session.solve(time_limit_s=20, gap=0.0)
+
+        return slow
+
+    began = time.perf_counter()
+    with PieceWorkers(1, lambda p, result: recorded.append(p)) as workers:
+        workers.start(piece, prepare)
+        assert workers.drain(until=time.perf_counter() + 0.2) == []
+        assert workers.is_running(piece)
+    assert time.perf_counter() - began < 2  # leaving did not wait for it
+    release.set()
+    assert recorded == []
