@@ -6,8 +6,9 @@ is solved once per stage count S (a *piece*: positions ≥ S closed, S − 1 ope
 the pieces of one M in its HiGHS sessions, up to one solve per core at once
 (``_workers``). The search runs in three steps:
 
-1. the balanced heuristic and the baselines give a first incumbent (at most a
-   third of the time);
+1. the balanced heuristic and the baselines give a first incumbent, which a local search
+   (``_polish``) improves (together at most a third of the time; the search at most
+   ``POLISH_SHARE``);
 2. every M's packing bound (``_packing``, at most ¾ of the time left) drops the
    M that cannot beat the incumbent (on GPT-175B all but two of nine); every other
    M's model is built and its LP relaxation solved (with the packing bound, the
@@ -22,6 +23,8 @@ or piece whose bound is within ``gap`` of it is closed: the plan returned is the
 within ``gap`` of the optimum, not necessarily optimal. The certified lower bound is the
 smallest bound over all pieces (a piece never solved keeps its M's packing or relaxation
 bound, or the solve-free capacity bound), so the gap covers the whole search space.
+Solves still running at the deadline are left behind (``_workers``): their pieces keep the
+bounds they had, so the planner returns within its time limit.
 """
 
 from __future__ import annotations
