@@ -20,6 +20,9 @@ microbatch exists only if this LP is feasible:
     x[r,g,p] ≤ min(f, ⌊T/τ[r,g]⌋)·n[g,p]                       whole layers of one run that fit
                 f = ⌊(mem_g − ρ[r,g]) / (σ + α·k_p)⌋            beside its transient, and compute within T
     Σ_{p, g with a part of type t} size_t(g)·n[g,p] ≤ N_t       devices
+    Σ_g n[g,0] = 1,  Σ_g x[R−1,g,0] ≥ 1                         a last stage, holding the last layer
+    Σ_r x[r,g,p] ≥ n[g,p]                                      a stage holds at least one layer
+    u_{p+1} / w_{p+1} ≤ u_p / w_p,  u_p = Σ_g n[g,p]            the stages used are the last S positions
 
 (a mixed group has the memory row and f of each of its two parts, each on its own type).
 
@@ -39,6 +42,13 @@ for every T: Z falls and M·T rises with T, and a bisection finds their crossing
 order, link or sync rows, so it relaxes every plan with at most S stages: its bound holds for
 each of the ILP's pieces with S stages or fewer (more positions only loosen it).
 
+The last three families (session 13) stop the LP from spreading the pipeline over slivers of
+stages, each holding a sliver of a layer, whose fill is a sliver too: on gpt2-small ×
+``mixed-4type-64`` at M = 8 the bound went from 69.8 to 84.8 ms (best plan known: 119.4 ms), on
+gpt-1.3b × ``mixed-a100-v100`` at M = 8, 16, 32 from 14.04, 13.94, 13.97 to 14.89, 14.22, 14.50 s
+(plan: 15.20 s); on the random chains of the test the least ratio to the optimum went from 0.68 to
+0.77 (median 0.990 → 0.991).
+
 Measured on GPT-175B × ``mixed-4type-512`` with ZeRO-1, global batch 1536 (session 9): 435 s
 (M = 64), 448 s (128), 598 s (32), 610 s (256) against the 150 s capacity bound, 0.2–1.5 s each;
 M ≤ 16 proven empty (nothing fits) in 0.2 s each. On the random instances of
@@ -48,6 +58,7 @@ of its M, where the capacity cut reaches 75%.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -131,6 +142,17 @@ class _BottleneckLP:
                 rows.append((n[mine, :].ravel(), sizes, -math.inf, float(info.devices)))
         for r, run in enumerate(bound.runs):
             rows.append((x[r].ravel(), np.ones(G * P), float(run.count), float(run.count)))
+        # every plan has a last stage (position 0, one group) holding the last layer, every stage
+        # holds at least one layer, and the stages used are the last S positions
+        rows.append((n[:, 0], np.ones(G), 1.0, 1.0))
+        rows.append((x[R - 1, :, 0], np.ones(G), 1.0, math.inf))
+        for g in range(G):
+            for p in range(P):
+                rows.append((np.r_[x[:, g, p], n[g, p]], np.r_[np.ones(R), -1.0], 0.0, math.inf))
+        for p, ((width, _), (next_width, _)) in enumerate(itertools.pairwise(buckets)):
+            rows.append(
+                (np.r_[n[:, p + 1], n[:, p]], np.r_[np.full(G, 1 / next_width), np.full(G, -1 / width)], -math.inf, 0.0)
+            )
 
         inf = highspy.kHighsInf
         with _banner_to_stderr():
