@@ -53,8 +53,10 @@ class PieceWorkers:
         return self
 
     def __exit__(self, *exc) -> None:
-        # solves still running were left behind at the deadline (each past its own time limit,
-        # so it stops at HiGHS's next interrupt check): do not wait for them
+        # solves still running were left behind at the deadline: they stop at HiGHS's next
+        # interrupt check (with any relaxation they would run after), and no one waits for them
+        for _, session in self.running.values():
+            session.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     @property

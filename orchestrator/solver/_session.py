@@ -37,7 +37,8 @@ class HighsSession:
             self.highs.setOptionValue(key, value)
         self.problem = problem
         self._deadline = math.inf
-        _interrupt_at(self.highs, lambda: self._deadline)
+        self._stopped = False
+        _interrupt_at(self.highs, lambda: -math.inf if self._stopped else self._deadline)
         self.variables = load_model(self.highs, problem)
         self.rows = {name: c.index for name, c in problem._constraints.items()}
         self._col_bounds = {v.index: (v.lowBound, v.upBound) for v in self.variables}
@@ -115,6 +116,11 @@ class HighsSession:
             solve_s=time.perf_counter() - began,
             values=values,
         )
+
+    def stop(self) -> None:
+        """Make the solve under way, and every later one, stop at HiGHS's next interrupt check
+        (any thread may call it: a search leaving a solve behind at its deadline)."""
+        self._stopped = True
 
     def current(self) -> list[float]:
         """The variables' values now (0 where unset): a ``start`` for :meth:`solve`."""

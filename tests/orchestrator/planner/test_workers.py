@@ -68,5 +68,6 @@ def test_a_solve_still_running_at_the_deadline_is_left_behind_unrecorded():
         assert workers.drain(until=time.perf_counter() + 0.2) == []
         assert workers.is_running(piece)
     assert time.perf_counter() - began < 2  # leaving did not wait for it
+    assert piece.sessions[0]._stopped  # and told its session to stop
     release.set()
     assert recorded == []

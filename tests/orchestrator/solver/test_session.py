@@ -76,6 +76,16 @@ def test_a_reused_session_is_not_stopped_by_an_earlier_deadline():
     assert session.solve(time_limit_s=20, gap=0.0).status == "Optimal"
 
 
+def test_a_stopped_session_stops_every_solve_at_once():
+    """``stop()`` (a search leaving a solve behind) ends this solve and any the job would run after."""
+    session = HighsSession(multi_knapsack(items=60, seed=3))
+    assert session.solve(time_limit_s=20, gap=0.0).status == "Optimal"
+    session.stop()
+    for _ in range(2):
+        stopped = session.solve(time_limit_s=20, gap=0.0)
+        assert stopped.status == "Time limit reached" and stopped.solve_s < 1.0
+
+
 def test_two_sessions_of_one_problem_solve_on_two_threads_without_touching_its_variables():
     """Solutions come back as values; the variables change only when :meth:`assign` writes them."""
     from concurrent.futures import ThreadPoolExecutor
