@@ -21,7 +21,7 @@ microbatch exists only if this LP is feasible:
                 f = ⌊(mem_g − ρ[r,g]) / (σ + α·k_p)⌋            beside its transient, and compute within T
     Σ_{p, g with a part of type t} size_t(g)·n[g,p] ≤ N_t       devices
     Σ_g n[g,0] = 1,  Σ_g x[R−1,g,0] ≥ 1                         a last stage, holding the last layer
-    Σ_r x[r,g,p] ≥ n[g,p]                                      a stage holds at least one layer
+    Σ_{r,g} x[r,g,p] ≥ Σ_g n[g,p]                              a stage holds at least one layer
     u_{p+1} / w_{p+1} ≤ u_p / w_p,  u_p = Σ_g n[g,p]            the stages used are the last S positions
 
 (a mixed group has the memory row and f of each of its two parts, each on its own type).
@@ -146,9 +146,8 @@ class _BottleneckLP:
         # holds at least one layer, and the stages used are the last S positions
         rows.append((n[:, 0], np.ones(G), 1.0, 1.0))
         rows.append((x[R - 1, :, 0], np.ones(G), 1.0, math.inf))
-        for g in range(G):
-            for p in range(P):
-                rows.append((np.r_[x[:, g, p], n[g, p]], np.r_[np.ones(R), -1.0], 0.0, math.inf))
+        for p in range(P):
+            rows.append((np.r_[x[:, :, p].ravel(), n[:, p]], np.r_[np.ones(R * G), -np.ones(G)], 0.0, math.inf))
         for p, ((width, _), (next_width, _)) in enumerate(itertools.pairwise(buckets)):
             rows.append(
                 (np.r_[n[:, p + 1], n[:, p]], np.r_[np.full(G, 1 / next_width), np.full(G, -1 / width)], -math.inf, 0.0)

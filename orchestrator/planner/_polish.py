@@ -18,9 +18,14 @@ A plan is (stages: contiguous layer ranges, groups: one per stage, M). Its neigh
     swap           exchange the groups of two stages
     microbatches   the same stages and groups at every other candidate M
 
-Each neighbour is priced as ``evaluate`` prices a plan (its stages' summaries, each computed once) — the closed form the ILP's objective is — and must fit
-in memory. Steepest descent: every sweep takes the best neighbour, and the search stops at a
-plan none of whose neighbours is better, or at the deadline. It never returns a worse plan.
+Each neighbour is priced as ``evaluate`` prices a plan (its stages' summaries, each computed once) —
+the closed form the ILP's objective is — and must fit in memory. Steepest descent takes the best
+neighbour until none is better; then an iterated local search kicks that local optimum by
+``KICK`` random fitting moves and descends again, keeping the better of the two. It stops at the
+deadline, after ``PATIENCE`` kicks in a row that find nothing better, or once the kicks have gone
+without a better plan for longer than the search took to find the last one (plus a second).
+It never returns a worse plan, and with a fixed seed it is deterministic up to where the deadline
+falls.
 """
 
 from __future__ import annotations
@@ -121,6 +126,7 @@ def polish(
             current, priced = best_candidate, best
         return current, priced
 
+    began = time.perf_counter()
     start: Candidate = (tuple(tuple(s) for s in stages), tuple(groups), microbatches)
     if price(start) is None:
         return None
@@ -130,7 +136,10 @@ def polish(
     # keeping whichever is better, until the deadline
     rng = random.Random(0)
     kicks = since = 0
-    while time.perf_counter() < deadline and since < PATIENCE:
+    improved = time.perf_counter()
+    # stop after PATIENCE fruitless kicks, or once the kicks have gone without a better plan for
+    # longer than the search took to find the last one (and a second)
+    while (now := time.perf_counter()) < deadline and since < PATIENCE and now - improved <= improved - began + 1.0:
         kicks, since = kicks + 1, since + 1
         kicked = current
         for _ in range(KICK):
@@ -141,7 +150,7 @@ def polish(
             break
         found, found_priced = descend(kicked, price(kicked))
         if found_priced[0] < priced[0] * (1 - 1e-12):
-            current, priced, since = found, found_priced, 0
+            current, priced, since, improved = found, found_priced, 0, time.perf_counter()
             log.debug("polish: %.6g ms after %d kicks, %d plans priced", priced[0] * 1e3, kicks, len(seen))
     parts, chosen, M = current
     return Polished(priced[0], priced[1], [list(p) for p in parts], list(chosen), M)
