@@ -47,7 +47,7 @@ stages, each holding a sliver of a layer, whose fill is a sliver too: on gpt2-sm
 ``mixed-4type-64`` at M = 8 the bound went from 69.8 to 84.8 ms (best plan known: 119.4 ms), on
 gpt-1.3b × ``mixed-a100-v100`` at M = 8, 16, 32 from 14.04, 13.94, 13.97 to 14.89, 14.22, 14.50 s
 (plan: 15.20 s); on the random chains of the test the least ratio to the optimum went from 0.68 to
-0.77 (median 0.990 → 0.991).
+0.75 (median 0.990 → 0.991).
 
 Measured on GPT-175B × ``mixed-4type-512`` with ZeRO-1, global batch 1536 (session 9): 435 s
 (M = 64), 448 s (128), 598 s (32), 610 s (256) against the 150 s capacity bound, 0.2–1.5 s each;
