@@ -186,9 +186,14 @@ class _BottleneckLP:
         self.highs.run()
         status = self.highs.getModelStatus()
         if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-            # a warm start can end undecided (kUnknown after a large change of T): solve afresh
+            # a warm start can end undecided (kUnknown after a large change of T), and so can presolve
+            # (gpt-13b × mixed-4type-64 at M = 2: kUnknown on a fresh start, infeasible in 0.3 s
+            # without presolve; the bound was 55.6 s instead of the incumbent's cutoff, 79.2 s):
+            # solve afresh without it
             self.highs.clearSolver()
+            self.highs.setOptionValue("presolve", "off")
             self.highs.run()
+            self.highs.setOptionValue("presolve", "choose")
             status = self.highs.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
             return math.inf
@@ -265,13 +270,14 @@ class PackingBound:
         above_s: float = 0.0,
         below_s: float = math.inf,
         deadline: float | None = None,
+        tolerance: float = TOLERANCE,
     ) -> float:
         """A lower bound on the step time of every plan with at most ``stages`` stages (s).
 
         A plan whose slowest stage computes c > T takes ≥ M·c > M·T; one with c ≤ T takes
         ≥ Z(T). So min(M·T, Z(T)) is a bound for every T, and Z falls as T grows while M·T
         rises: a search for their crossing (bisection alternating with regula falsi) stops
-        when the best bound is within ``TOLERANCE`` of the most it could be. It starts bracketed by
+        when the best bound is within ``tolerance`` (relative) of the most it could be. It starts bracketed by
         ``above_s`` (a known bound) and ``below_s`` (an incumbent's step time): once the bound
         reaches the incumbent, no plan of this M beats it and the bound is +inf. At
         ``deadline`` (``time.perf_counter()``) the search stops with the best bound so far."""
@@ -293,7 +299,7 @@ class PackingBound:
         lo, z_lo, floor = max(above_s / M, hi * 1e-6), math.inf, above_s
         geometric = True
         while deadline is None or time.perf_counter() < deadline:
-            if min(M * hi, z_lo) - max(floor, z_hi) <= TOLERANCE * min(M * hi, z_lo):
+            if min(M * hi, z_lo) - max(floor, z_hi) <= tolerance * min(M * hi, z_lo):
                 break
             if geometric or z_lo == math.inf:
                 mid = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
