@@ -77,7 +77,9 @@ def polish(
     """The local optimum reached from the plan (``stages``, ``groups``, ``microbatches``), or None
     when it does not fit. ``score`` is what is minimised (the step time, plus the migration when
     re-planning); ``deadline`` is a ``time.perf_counter()`` time."""
-    seen: dict[Candidate, tuple[float, Evaluation] | None] = {}
+    # every plan priced: its score, None when it does not fit (scores only: GPT-175B's search prices
+    # hundreds of thousands of plans)
+    seen: dict[Candidate, float | None] = {}
     # a neighbour changes one or two stages: every stage's summary is priced once
     summaries: dict[tuple, StageSummary | None] = {}
 
@@ -87,37 +89,37 @@ def polish(
             summaries[key] = summarize_stage(layers, group, next_type, M, k, table=space.table, links=space.links)
         return summaries[key]
 
-    def price(candidate: Candidate) -> tuple[float, Evaluation] | None:
+    def evaluation(candidate: Candidate) -> Evaluation:
+        parts, chosen, M = candidate
+        S = len(parts)
+        return combine(
+            [
+                summary(
+                    layers, group, chosen[s + 1].device_type if s < S - 1 else None, M, in_flight(schedule, M, S, s)
+                )
+                for s, (layers, group) in enumerate(zip(parts, chosen))
+            ],
+            list(chosen),
+            M,
+            infos=space.infos,
+            schedule=schedule,
+            report_infeasible=False,
+        )
+
+    def price(candidate: Candidate) -> float | None:
         if candidate not in seen:
-            parts, chosen, M = candidate
-            S = len(parts)
-            ev = combine(
-                [
-                    summary(
-                        layers,
-                        group,
-                        chosen[s + 1].device_type if s < S - 1 else None,
-                        M,
-                        in_flight(schedule, M, S, s),
-                    )
-                    for s, (layers, group) in enumerate(zip(parts, chosen))
-                ],
-                list(chosen),
-                M,
-                infos=space.infos,
-                schedule=schedule,
-                report_infeasible=False,
-            )
-            seen[candidate] = (score(ev, [list(p) for p in parts], list(chosen)), ev) if ev.feasible else None
+            ev = evaluation(candidate)
+            parts, chosen, _ = candidate
+            seen[candidate] = score(ev, [list(p) for p in parts], list(chosen)) if ev.feasible else None
         return seen[candidate]
 
-    def descend(current: Candidate, priced: tuple[float, Evaluation]) -> tuple[Candidate, tuple[float, Evaluation]]:
-        """Steepest descent from ``current`` to a local optimum (or the deadline)."""
+    def descend(current: Candidate, priced: float) -> tuple[Candidate, float]:
+        """Steepest descent from ``current`` (scored ``priced``) to a local optimum (or the deadline)."""
         while time.perf_counter() < deadline:
             best = None
             for neighbour in moves.around(current):
                 found = price(neighbour)
-                if found is not None and found[0] < (best or priced)[0] * (1 - 1e-12):
+                if found is not None and found < (priced if best is None else best) * (1 - 1e-12):
                     best, best_candidate = found, neighbour
                 if time.perf_counter() >= deadline:
                     break
@@ -149,11 +151,11 @@ def polish(
         if kicked == current:
             break
         found, found_priced = descend(kicked, price(kicked))
-        if found_priced[0] < priced[0] * (1 - 1e-12):
+        if found_priced < priced * (1 - 1e-12):
             current, priced, since, improved = found, found_priced, 0, time.perf_counter()
-            log.debug("polish: %.6g ms after %d kicks, %d plans priced", priced[0] * 1e3, kicks, len(seen))
+            log.debug("polish: %.6g ms after %d kicks, %d plans priced", priced * 1e3, kicks, len(seen))
     parts, chosen, M = current
-    return Polished(priced[0], priced[1], [list(p) for p in parts], list(chosen), M)
+    return Polished(priced, evaluation(current), [list(p) for p in parts], list(chosen), M)
 
 
 class _Moves:
