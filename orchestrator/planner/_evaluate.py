@@ -124,11 +124,15 @@ def evaluate(
     infos: dict[str, TypeInfo],
     schedule: str,
     links,
+    summarize=summarize_stage,
+    report_infeasible: bool = True,
 ) -> Evaluation:
-    """``links[(t, t2)]``: the link a stage on type t uses to send to a next stage on type t2."""
+    """``links[(t, t2)]``: the link a stage on type t uses to send to a next stage on type t2.
+    ``summarize``: :func:`summarize_stage` or a cache of it (the local search's);
+    ``report_infeasible``: as in :func:`combine`."""
     S = len(stages)
     summaries = [
-        summarize_stage(
+        summarize(
             layers,
             group,
             groups[s + 1].device_type if s < S - 1 else None,
@@ -139,4 +143,4 @@ def evaluate(
         )
         for s, (layers, group) in enumerate(zip(stages, groups))
     ]
-    return combine(summaries, groups, microbatches, infos=infos, schedule=schedule)
+    return combine(summaries, groups, microbatches, infos=infos, schedule=schedule, report_infeasible=report_infeasible)

@@ -37,9 +37,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from orchestrator.planner._evaluate import Evaluation, StageSummary, combine, summarize_stage
+from orchestrator.planner._evaluate import Evaluation, StageSummary, evaluate, summarize_stage
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._ilp import in_flight
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +82,23 @@ def polish(
     # a neighbour changes one or two stages: every stage's summary is priced once
     summaries: dict[tuple, StageSummary | None] = {}
 
-    def summary(layers, group, next_type, M, k) -> StageSummary | None:
+    def summary(layers, group, next_type, M, k, *, table, links) -> StageSummary | None:
         key = (layers, group, next_type, M, k)
         if key not in summaries:
-            summaries[key] = summarize_stage(layers, group, next_type, M, k, table=space.table, links=space.links)
+            summaries[key] = summarize_stage(layers, group, next_type, M, k, table=table, links=links)
         return summaries[key]
 
     def evaluation(candidate: Candidate) -> Evaluation:
         parts, chosen, M = candidate
-        S = len(parts)
-        return combine(
-            [
-                summary(
-                    layers, group, chosen[s + 1].device_type if s < S - 1 else None, M, in_flight(schedule, M, S, s)
-                )
-                for s, (layers, group) in enumerate(zip(parts, chosen))
-            ],
-            list(chosen),
+        return evaluate(
+            parts,
+            chosen,
             M,
+            table=space.table,
             infos=space.infos,
             schedule=schedule,
+            links=space.links,
+            summarize=summary,
             report_infeasible=False,
         )
 
