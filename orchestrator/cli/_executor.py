@@ -31,6 +31,15 @@ def _need_devices(n: int) -> None:
         )
 
 
+def _figure(value) -> str:
+    """A case's figure for the table: floats to 4 significant digits, lists of them bracketed."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + " ".join(_figure(v) for v in value) + "]"
+    return str(value)
+
+
 def bench_executor_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...], ranking: [...]}.")] = False,
     quick: Annotated[bool, typer.Option(help="Tiny GPT parity and collectives only (about a minute).")] = False,
@@ -53,11 +62,7 @@ def bench_executor_command(
         for column in ("case", "metric", "figures", "ok"):
             table.add_column(column)
         for c in cases:
-            figures = ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                for k, v in c.items()
-                if k not in ("name", "metric", "ok")
-            )
+            figures = ", ".join(f"{k} {_figure(v)}" for k, v in c.items() if k not in ("name", "metric", "ok"))
             table.add_row(c["name"], c["metric"], figures, "[green]yes[/green]" if c["ok"] else "[red]no[/red]")
         out.print(table)
         if result["ranking"]:
