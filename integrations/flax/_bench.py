@@ -15,11 +15,12 @@ Three families of cases, each a :class:`~orchestrator.bench._case.Case`-like dic
 Predictions use the cost model with this machine's layer times, profiled afresh (never from
 the disk cache: times cached in another session describe another state of the machine). The
 cost model prices one device running alone; on the ``local`` cluster n virtual
-devices share c cores, and the host's own costs are measured (``_host``): the slowdown s(k) of k devices busy at once (the recipe's forward
-and backward on k devices against one; one device alone already uses more than
-one core, so s is not max(1, k/c)), the dispatch d(k) of a call to k devices, the host time
-b per device buffer a call moves, and the share β(k) of a multi-device call's
-run the dispatching thread is held for. A stage alone is predicted as
+devices share c cores, and the host's own costs are measured (``_host``): the
+slowdown s(k) of k devices busy at once (the recipe's forward and backward on k
+devices against one; one device alone already uses more than one core, so s is not
+max(1, k/c)), the dispatch d(k) of a call to k devices, the host time b per device
+buffer a call moves, and the share β(k) of a multi-device call's run the
+dispatching thread is held for. A stage alone is predicted as
 
     (F + B) · s(k) + 2 · d(k) + N_s · b
 
@@ -37,14 +38,13 @@ The 2-core development machine drifts: the same measurement moves by tens of per
 minute to the next. So each comparison is calibrated just before it is measured and repeated
 (:func:`recalibrated`): a stage is timed in 3 rounds, each after a fresh profile and a fresh
 s(k), and the medians are compared; the ranking re-measures the host 3 times over its 12 rounds
-and simulates each plan with the median. The ranking case also reports the measurement's own repeatability: Kendall's τ
-between the medians of the even and the odd rounds (the plans take turns, so
-both halves see the same machine). No model ranks the plans better than that.
+and simulates each plan with the median. The ranking case also reports the measurement's own
+repeatability: Kendall's τ between the medians of the even and the odd rounds (the plans take
+turns, so both halves see the same machine). No model ranks the plans better than that.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import tempfile
@@ -83,18 +83,13 @@ def setup(recipe_name: str, global_batch: int, seq_len: int, *, host: bool = Fal
     from orchestrator.cluster import load_cluster
     from orchestrator.coarsen import coarsen
     from orchestrator.costs import CostModel
-    from orchestrator.profile import TimingCache
     from recipes import get_recipe, synthetic_batch
 
     recipe = get_recipe(recipe_name)
     abstract, spec = recipe.abstract_state(), recipe.batch_spec(global_batch, seq_len)
     graph = capture(recipe.train_step, abstract, spec)
     layers = coarsen(graph)
-    # the timing cases compare with this run's machine, not with times cached on another day
-    fresh = tempfile.TemporaryDirectory() if host else contextlib.nullcontext()
-    with fresh as directory:
-        cache = TimingCache(Path(directory), jax_version=jax.__version__) if directory else None
-        timings = profile_layers(recipe.train_step, abstract, spec, graph=graph, layers=layers, cache=cache)
+    timings = profile_layers(recipe.train_step, abstract, spec, graph=graph, layers=layers)
     cluster = load_cluster("local")
     [device_type] = cluster.device_types
     axes = recipe.param_axes() if recipe.family == "gpt" else {}
@@ -102,6 +97,7 @@ def setup(recipe_name: str, global_batch: int, seq_len: int, *, host: bool = Fal
     state = jax.jit(recipe.create_state)(jax.random.key(0))
     batch = synthetic_batch(jax.random.key(1), global_batch, seq_len, recipe.config.vocab_size)
     su = Setup(recipe, graph, layers, model, device_type, cluster.shared_cores or 1, state, batch, axes, None)
+    # the timing cases compare with this run's machine, not with layer times cached on another day
     return recalibrated(su) if host else su
 
 
