@@ -46,7 +46,8 @@ Constraints (one function each; every row named)
                     f = min(n_r, ⌊(mem − ρ) / (σ + α·k_j)⌋) layers of r fit alone (v = 0 if none)
     devices         Σ_{j, g with a part q of type t} size_q·u[j,g] ≤ devices(t)
     transfers       e[r,j] ≥ a[r,j] − a[r+1,j];  c[j,t,t′] ≥ ut[j,t] + ut[j−1,t′] − 1;
-                    P_j ≥ π_r(t,t′)·(e[r,j] + c[j,t,t′] − 1)
+                    P_j ≥ π_r(t,t′)·(e[r,j] + c[j,t,t′] − 1);  and for j ≥ 1, over the runs r a
+                    stage before the last can end with: Σ_r e[r,j] ≥ used_j, P_j ≥ Σ_r min_{t,t′} π_r(t,t′)·e[r,j]
     stage_times     compute_j = Σ_{r,g} τ·y[r,j,g], forward_j = Σ φ·y (φ: forward part of τ),
                     backward_j = compute_j − forward_j, sync_j = Σ δ·y, optimizer_j = Σ ω·y;
                     T ≥ compute_j, T ≥ 2·P_j
@@ -155,6 +156,44 @@ def simple_bound_s(runs: list[Run], groups: list[GroupConfig], table: CostTable,
     devices = sum(info.devices for info in infos.values())
     work = sum(run.count * min(g.size * table.entry(run.first, g, microbatches).time_s for g in valid) for run in runs)
     return microbatches * work / devices
+
+
+def link_bound_s(
+    runs: list[Run], groups: list[GroupConfig], table: CostTable, links, microbatches: int, stages: int, schedule: str
+) -> float:
+    """A lower bound on the step time of every plan with exactly ``stages`` stages at M
+    microbatches that needs no solve (seconds): the pipeline's transfers on its critical paths.
+
+    With π the cheapest transfer any stage boundary can have (the least output of a run a
+    stage other than the last can end with, over the slowest link of any pair of types) and
+    c_min = Σ_r n_r·min_g τ(r,g) the least compute of one microbatch through all layers, the
+    closed form (``_closed_form``) gives, for S ≥ 2 stages,
+
+        1F1B:  step ≥ W ≥ E_{S−1} + U^b_{S−1} ≥ c_min + 2(S−1)·π           (first microbatch's round trip)
+               step ≥ W ≥ E_{S−2} + U^b_{S−2} ≥ τ_min(layer 0) + 2(S−2+M)·π  (the last link's 2M transfers)
+        GPipe: step ≥ E_0 ≥ c_min + 2(S+M−2)·π                               (both flow shops' fill and pace)
+
+    The ILP's LP relaxation loses them: a stage spread over fractions of groups of several
+    types prices its neighbour links at 0 (``c[j,t,t′] ≥ ut + ut′ − 1``). On gpt2-small ×
+    ``mixed-4type-512`` (100 GbE between racks) π is 16 ms at M = 1, so no plan of 5 stages or
+    more beats the 70.5 ms incumbent; the LP bounds of those pieces were 18.5 ms."""
+    if stages < 2:
+        return 0.0
+    valid = [g for g in groups if table.microbatch(g, microbatches) is not None]
+    if not valid:
+        return math.inf
+    types = {g.device_type for g in valid}
+    pairs = [links[t, t2] for t in types for t2 in types if (t, t2) in links]
+    # a stage before the last ends at a run's last layer, or inside the last run if it has several
+    ends = [run.first + run.count - 1 for run in runs[:-1]] + ([runs[-1].first] if runs[-1].count > 1 else [])
+    if not pairs or not ends:
+        return 0.0
+    pi = min(table.send_s(layer, microbatches, link) for layer in ends for link in pairs)
+    least = [min(table.entry(run.first, g, microbatches).time_s for g in valid) for run in runs]
+    work = sum(run.count * t for run, t in zip(runs, least))
+    if schedule == "gpipe":
+        return work + 2 * (stages + microbatches - 2) * pi
+    return max(work + 2 * (stages - 1) * pi, least[0] + 2 * (stages - 2 + microbatches) * pi)
 
 
 class StageModel:
@@ -339,6 +378,13 @@ class StageModel:
                         send = self.send_s(r, t, t2) * MS
                         if send > 0:
                             self.lp += self.P[j] >= send * (self.e[r, j] + c - 1), f"transfer_{j}_{r}_{i}_{i2}"
+        # valid without the types (whose c rows the LP relaxation sets to 0): a stage before the
+        # last ends at exactly one run, and sends at least that run's cheapest transfer
+        ends = [r for r in range(R) if r < R - 1 or self.runs[r].count > 1] if self.types else []
+        floor = {r: min(self.send_s(r, t, t2) for t in self.types for t2 in self.types) * MS for r in ends}
+        for j in range(1, self.J):
+            self.lp += pulp.lpSum(self.e[r, j] for r in ends) >= self.used[j], f"one_last_run_{j}"
+            self.lp += self.P[j] >= pulp.lpSum(floor[r] * self.e[r, j] for r in ends), f"transfer_floor_{j}"
 
     def send_s(self, r: int, source: str, target: str) -> float:
         return self.table.send_s(self.runs[r].count + self.runs[r].first - 1, self.M, self.links[source, target])
@@ -541,6 +587,10 @@ class StageModel:
 
     def simple_bound_s(self) -> float:
         return simple_bound_s(self.runs, self.groups, self.table, self.infos, self.M)
+
+    def link_bound_s(self, stages: int) -> float:
+        """:func:`link_bound_s` of this model's plans with exactly ``stages`` stages."""
+        return link_bound_s(self.runs, self.groups, self.table, self.links, self.M, stages, self.schedule)
 
     def set_start(self, stages: list[list[int]], groups: list[GroupConfig]) -> bool:
         """Give every variable the value of a known plan (a starting incumbent for the solver).

@@ -316,8 +316,12 @@ class _Piece:
         return max(self.stages, self.most)
 
     def split(self) -> list[_Piece]:
-        """A tail piece's stage counts as pieces of their own, each keeping its bound."""
-        return [_Piece(self.model, self.sessions, S, bound_s=self.bound_s) for S in range(self.stages, self.last + 1)]
+        """A tail piece's stage counts as pieces of their own, each keeping its bound (or its own
+        link bound, which grows with the stage count)."""
+        return [
+            _Piece(self.model, self.sessions, S, bound_s=max(self.bound_s, self.model.link_bound_s(S)))
+            for S in range(self.stages, self.last + 1)
+        ]
 
 
 def _or_relaxation(result, sub: StageModel, relax):
@@ -656,8 +660,12 @@ def plan(
             continue
         tail = min(TAIL_FROM, sub.J)  # stage counts from here on start as one piece
         sessions = [session]
-        pieces += [_Piece(sub, sessions, S, bound_s=floor) for S in range(1, tail)]
-        pieces.append(_Piece(sub, sessions, tail, bound_s=floor, most=sub.J))
+        # a piece of S stages starts from its link bound where that is higher (it grows with S)
+        pieces += [_Piece(sub, sessions, S, bound_s=max(floor, sub.link_bound_s(S))) for S in range(1, tail)]
+        pieces.append(_Piece(sub, sessions, tail, bound_s=max(floor, sub.link_bound_s(tail)), most=sub.J))
+    cutoff = _cutoff_ms(best, gap) / MS if best is not None else math.inf
+    for piece in pieces:
+        piece.done = piece.bound_s >= cutoff  # none is gap better than the incumbent
     pieces.sort(key=lambda p: p.stages)
     with PieceWorkers(default_workers(), lambda piece, result: record(piece.model, result, piece)) as workers:
         # the search ends a little early, so the plan (devices, explanation) is built within the limit
