@@ -257,6 +257,7 @@ class StageModel:
         self.definitions: list = []
         # the migration term of re-planning (``_migration``): stay variables and their part of the objective
         self.stays: list = []
+        self._link_bounds: dict[int, float] = {}
         self.migration = 0
         self.Q = var("Q", 0) if repair else 0
         self.used = {j: pulp.lpSum(self.u[j, g] for g in G) for j in J}
@@ -589,8 +590,12 @@ class StageModel:
         return simple_bound_s(self.runs, self.groups, self.table, self.infos, self.M)
 
     def link_bound_s(self, stages: int) -> float:
-        """:func:`link_bound_s` of this model's plans with exactly ``stages`` stages."""
-        return link_bound_s(self.runs, self.groups, self.table, self.links, self.M, stages, self.schedule)
+        """:func:`link_bound_s` of this model's plans with exactly ``stages`` stages (remembered)."""
+        if stages not in self._link_bounds:
+            self._link_bounds[stages] = link_bound_s(
+                self.runs, self.groups, self.table, self.links, self.M, stages, self.schedule
+            )
+        return self._link_bounds[stages]
 
     def set_start(self, stages: list[list[int]], groups: list[GroupConfig]) -> bool:
         """Give every variable the value of a known plan (a starting incumbent for the solver).

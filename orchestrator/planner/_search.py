@@ -22,7 +22,10 @@ Every solve asks only for plans ``gap`` better than the incumbent (``_cutoff_ms`
 or piece whose bound is within ``gap`` of it is closed: the plan returned is then certified
 within ``gap`` of the optimum, not necessarily optimal. The certified lower bound is the
 smallest bound over all pieces (a piece never solved keeps its M's packing or relaxation
-bound, or the solve-free capacity bound), so the gap covers the whole search space.
+bound, or the solve-free capacity bound, or its own link bound — the transfers on the
+pipeline's critical paths, which grow with S, ``_ilp.link_bound_s`` — whichever is highest;
+a piece whose starting bound is within the gap of the incumbent is closed unsolved), so the
+gap covers the whole search space.
 Solves still running at the deadline are left behind (``_workers``): their pieces keep the
 bounds they had, so the planner returns within its time limit.
 """
