@@ -158,6 +158,12 @@ def simple_bound_s(runs: list[Run], groups: list[GroupConfig], table: CostTable,
     return microbatches * work / devices
 
 
+def boundary_runs(runs: list[Run]) -> list[int]:
+    """The runs a stage other than the last can end with: every run but the last, and the last
+    too if it has several layers (a stage may end inside it)."""
+    return [r for r, run in enumerate(runs) if r < len(runs) - 1 or run.count > 1]
+
+
 def link_bound_s(
     runs: list[Run], groups: list[GroupConfig], table: CostTable, links, microbatches: int, stages: int, schedule: str
 ) -> float:
@@ -184,8 +190,7 @@ def link_bound_s(
         return math.inf
     types = {g.device_type for g in valid}
     pairs = [links[t, t2] for t in types for t2 in types if (t, t2) in links]
-    # a stage before the last ends at a run's last layer, or inside the last run if it has several
-    ends = [run.first + run.count - 1 for run in runs[:-1]] + ([runs[-1].first] if runs[-1].count > 1 else [])
+    ends = [runs[r].first + runs[r].count - 1 for r in boundary_runs(runs)]  # as the ILP's ``send_s``
     if not pairs or not ends:
         return 0.0
     pi = min(table.send_s(layer, microbatches, link) for layer in ends for link in pairs)
@@ -381,7 +386,7 @@ class StageModel:
                             self.lp += self.P[j] >= send * (self.e[r, j] + c - 1), f"transfer_{j}_{r}_{i}_{i2}"
         # valid without the types (whose c rows the LP relaxation sets to 0): a stage before the
         # last ends at exactly one run, and sends at least that run's cheapest transfer
-        ends = [r for r in range(R) if r < R - 1 or self.runs[r].count > 1] if self.types else []
+        ends = boundary_runs(self.runs) if self.types else []
         floor = {r: min(self.send_s(r, t, t2) for t in self.types for t2 in self.types) * MS for r in ends}
         for j in range(1, self.J):
             self.lp += pulp.lpSum(self.e[r, j] for r in ends) >= self.used[j], f"one_last_run_{j}"
