@@ -246,6 +246,47 @@ def _heuristic(model, space, global_batch, schedule, candidates, max_stages, rec
     return min(found, key=lambda f: f.iteration_s) if found else None
 
 
+def _single_stage(space: SearchSpace, candidates, schedule: str, *, deadline: float):
+    """The best plan of one stage: every layer on one group (any type, size, tp, recompute, or a
+    mixed group with its batch shares), at every M; None when none fits.
+
+    The balanced heuristic and the baselines build pipelines and place one type per stage, so
+    they miss plans that give one stage every device of two types: on gpt2-small ×
+    mixed-4type-64 the best plan is data parallelism over 16 a100 and 16 h100 (102.4 ms), and the
+    local search from the heuristic's 3 stages stopped at 119.4 ms, which the ILP did not improve in
+    30 s (session 16). Trying every group takes 0.6–1.5 s on the presets (208 groups × 7–9 M).
+    A group whose parameters and optimizer state alone overflow its devices is skipped at once."""
+    layers = list(range(space.layers))
+    found = None
+    for group in space.groups:
+        for M in candidates:
+            if time.perf_counter() >= deadline:
+                return found
+            if space.table.microbatch(group, M) is None:
+                continue
+            if _state_overflows(space.table, layers, group, M):
+                break  # (the state does not depend on M)
+            ev = evaluate(
+                [layers],
+                [group],
+                M,
+                table=space.table,
+                infos=space.infos,
+                schedule=schedule,
+                links=space.links,
+                report_infeasible=False,
+            )
+            if ev.feasible and (found is None or ev.iteration_s < found[0].iteration_s):
+                found = (ev, group, M)
+    return found
+
+
+def _state_overflows(table, layers: list[int], group: GroupConfig, M: int) -> bool:
+    """Whether ``layers``' parameters, gradients and optimizer state alone exceed some part of ``group``."""
+    parts = [table.memory_parts(l, group, M) for l in layers]
+    return any(sum(part[p][1].static_bytes for part in parts) > capacity for p, (capacity, _) in enumerate(parts[0]))
+
+
 def _packing_bounds(
     space: SearchSpace, candidates, max_stages: int, schedule: str, best, *, gap: float, deadline: float
 ):
@@ -552,6 +593,13 @@ def plan(
         log.debug(
             "heuristic start: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, start.microbatches, len(start.stages)
         )
+    single = _single_stage(space, candidates, schedule, deadline=started + time_limit_s / 3)
+    if single is not None:
+        ev, group, M = single
+        stages = [list(range(L))]
+        if best is None or score(ev, stages, [group]) < best[0]:
+            best = (score(ev, stages, [group]), ev, stages, [group], M)
+            log.debug("single stage start: %.6g ms at M=%d on %s", ev.iteration_s * MS, M, group)
     if given is not None and given[2] in candidates:
         ev = evaluate(*given, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
         if ev.feasible and (best is None or score(ev, given[0], given[1]) < best[0]):
