@@ -36,7 +36,30 @@ of w_p positions (its slowest stage computes at least c_p / w_p):
 
     Z ≥ Σ_{p′>p} c_p′ + M·c_p / w_p                             the fill ahead of each stage
 
-and Z(T), the least Z of the LP, bounds every plan whose stages each compute within T. A plan
+The closed form gives more rows of the same kind (session 17). Its 1F1B rows B_s ≥ U^f_s + L_s −
+b_s and E_s ≥ B_s + M·b_s + (M − K_s)·f_s (K_s ≤ M in flight) put the whole round trip before
+the drain: step ≥ Σ_{s′≠s} c_s′ + M·c_s − (K_s − 1)·f_s (GPipe: without the last term). A
+stage's sync starts after the backward of its last layer, and its first layer's sync (the last
+bucket) after the stage's last backward: Y_s ≥ E_s − b_s + b_last + y_s and Y_s ≥ E_s + y_first, with y_s, o_s the
+stage's gradient sync and optimizer (Σ over its layers). In positions, with d_p the most
+microbatches in flight in bucket p less one (0 under GPipe), f_p, b_p, y_p, o_p the bucket's
+forward, backward, sync and optimizer, and a bucket's own stages counted at least once each
+(a forward) for one another:
+
+    Z ≥ Σ_{p′} c_p′ + ((M−1)·c_p − d_p·f_p) / w_p                       the whole round trip
+    Z ≥ Σ_{p′>p} f_p′ + (M·c_p − b_p + y_p + o_p) / w_p [+ b_last]     the tail after the drain
+    Z ≥ Σ_{p′>p} f_p′ + Σ_{p′<p} c_p′ + ((w_p−1−d_p)·f_p + M·c_p − b_p + y_p + o_p) / w_p [+ b_last]
+    Z ≥ Σ_{p′} c_p′ + (M−1)·b + y + o of layer 0                       the first stage's sync
+
+(b_last: the last layer's backward on position 0's group, in position 0's rows; the last row
+only where layer 0 is a run of its own). Each averages over a bucket's stages the row that
+holds for every one of them, which is valid as each stage's own terms are non-negative. On
+gpt2-small × ``mixed-4type-64`` at M = 1 the bound went from 85.9 to 89.8 ms (the sync of the
+plan's one stage overlaps all but 16 ms of its backward), on GPT-175B × ``mixed-4type-512`` at
+M = 64 and 128 from 470.9 and 468.9 s to 472.1 and 470.7 s, and on the random chains of the test
+the median ratio to the optimum of its M (1F1B) from 0.991 to 0.996.
+
+Z(T), the least Z of the LP, bounds every plan whose stages each compute within T. A plan
 whose slowest stage computes more than T takes more than M·T, so min(M·T, Z(T)) is a bound
 for every T: Z falls and M·T rises with T, and a bisection finds their crossing. The LP has no
 order, link or sync rows, so it relaxes every plan with at most S stages: its bound holds for
@@ -121,19 +144,43 @@ class _BottleneckLP:
                     rows.append((np.array([x[r, g, p], n[g, p]]), np.array([1.0, -fits[r]]), -math.inf, 0.0))
         for p, (positions, _) in enumerate(buckets):
             rows.append((n[:, p], np.ones(G), -math.inf, float(positions)))
-        # the fill: Z ≥ (compute upstream of bucket p) + M·(compute of bucket p)/(its width)
+        # the step rows (module docstring), each Z ≥ Σ W[r,g,p]·x[r,g,p], the last stage's tails
+        # also + its last layer's backward on position 0's group
         step = columns
-        times = np.tile(bound.time[:, :, None], (1, 1, P))  # τ of x[r, g, p]
-        for p, (positions, _) in enumerate(buckets):
-            upstream, own = x[:, :, p + 1 :].ravel(), x[:, :, p].ravel()
-            rows.append(
-                (
-                    np.r_[step, upstream, own],
-                    np.r_[1.0, -times[:, :, p + 1 :].ravel(), -bound.M / positions * times[:, :, p].ravel()],
-                    0.0,
-                    math.inf,
-                )
-            )
+        M, times, forward = bound.M, bound.time, bound.forward
+        backward = times - forward
+        after_sync = bound.sync + bound.optimizer
+
+        def step_row(weights: np.ndarray, last_backward: bool = False) -> None:
+            cols, vals = np.r_[step, x.ravel()], np.r_[1.0, -weights.ravel()]
+            if last_backward:
+                cols, vals = np.r_[cols, n[:, 0]], np.r_[vals, -backward[R - 1]]
+            keep = vals != 0
+            rows.append((cols[keep], vals[keep], 0.0, math.inf))
+
+        first_position = 0
+        for p, (width, _) in enumerate(buckets):
+            first_position += width
+            # d: the most microbatches in flight in the bucket (1F1B), less one
+            d = 0 if bound.schedule == "gpipe" else min(M, first_position) - 1
+            weights = np.zeros((R, G, P))  # fill, upstream only
+            weights[:, :, p + 1 :] = times[:, :, None]
+            weights[:, :, p] = M * times / width
+            step_row(weights)
+            weights = np.repeat(times[:, :, None], P, axis=2)  # fill, the whole pipeline
+            weights[:, :, p] += ((M - 1) * times - d * forward) / width
+            step_row(weights)
+            weights = np.zeros((R, G, P))  # tail, upstream forwards only
+            weights[:, :, p + 1 :] = forward[:, :, None]
+            weights[:, :, p] = (M * times - backward + after_sync) / width
+            step_row(weights, last_backward=p == 0)
+            weights[:, :, :p] = times[:, :, None]  # tail, the whole pipeline
+            weights[:, :, p] = ((width - 1 - d) * forward + M * times - backward + after_sync) / width
+            step_row(weights, last_backward=p == 0)
+        if bound.runs and bound.runs[0].count == 1:  # the first layer's stage, its sync after its drain
+            weights = np.repeat(times[:, :, None], P, axis=2)
+            weights[0] += ((M - 1) * backward[0] + after_sync[0])[:, None]
+            step_row(weights)
         columns += 1
         for t, info in bound.infos.items():
             mine = [g for g in range(G) if t in bound.groups[g].by_type]
@@ -183,18 +230,24 @@ class _BottleneckLP:
         for row, column, fits, time_s in self.count_cells:
             within = fits if time_s <= 0 else min(fits, math.floor(bottleneck_s / time_s * (1 + 1e-9)))
             self.highs.changeCoeff(row, column, -float(within))
+        decided = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
         self.highs.run()
         status = self.highs.getModelStatus()
-        if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-            # a warm start can end undecided (kUnknown after a large change of T), and so can presolve
-            # (gpt-13b × mixed-4type-64 at M = 2: kUnknown on a fresh start, infeasible in 0.3 s
-            # without presolve; the bound was 55.6 s instead of the incumbent's cutoff, 79.2 s):
-            # solve afresh without it
+        # a warm start can end undecided (kUnknown after a large change of T), and so can a fresh
+        # start with or without presolve: gpt-13b × mixed-4type-64 at M = 2 was undecided fresh and
+        # infeasible in 0.3 s without presolve (its bound had been 55.6 s, not the cutoff 79.2 s);
+        # gpt-1.3b × mixed-4type-64 at M = 2, T = 2.786 s was undecided warm and without presolve,
+        # infeasible fresh with it, so its bound fell from 6.67 to 5.57 s. Try each fresh start
+        # in turn, then the interior-point solver.
+        for option, value in (("presolve", "choose"), ("presolve", "off"), ("solver", "ipm")):
+            if status in decided:
+                break
             self.highs.clearSolver()
-            self.highs.setOptionValue("presolve", "off")
+            self.highs.setOptionValue(option, value)
             self.highs.run()
-            self.highs.setOptionValue("presolve", "choose")
             status = self.highs.getModelStatus()
+        self.highs.setOptionValue("presolve", "choose")
+        self.highs.setOptionValue("solver", "choose")
         if status == highspy.HighsModelStatus.kInfeasible:
             return math.inf
         return self.highs.getInfo().objective_function_value if status == highspy.HighsModelStatus.kOptimal else 0.0
@@ -215,6 +268,7 @@ class PackingBound:
         schedule: str,
     ):
         self.runs, self.groups, self.infos, self.M, self.J = runs, groups, infos, microbatches, max_stages
+        self.schedule = schedule
         entries = [[table.entry(run.first, g, microbatches) for g in groups] for run in runs]
 
         def per_run_and_group(field: str) -> np.ndarray:
@@ -223,6 +277,9 @@ class PackingBound:
             )
 
         self.time = per_run_and_group("time_s")
+        self.forward = per_run_and_group("forward_s")
+        self.sync = per_run_and_group("dp_sync_s")
+        self.optimizer = per_run_and_group("optimizer_s")
         # memory per part: [q][r, g], q over the most parts a group has (a group of one type repeats its one)
         parts = [[table.memory_parts(run.first, g, microbatches) for g in groups] for run in runs]
         self.parts = max((len(g.by_type) for g in groups), default=1)
