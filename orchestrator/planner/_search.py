@@ -6,10 +6,10 @@ is solved once per stage count S (a *piece*: positions ≥ S closed, S − 1 ope
 the pieces of one M in its HiGHS sessions, up to one solve per core at once
 (``_workers``). The search runs in three steps:
 
-1. the balanced heuristic and the baselines give a first incumbent, which a local search
-   (``_polish``) improves (together at most a third of the time; the search at most
-   ``POLISH_SHARE``);
-2. every M's packing bound (``_packing``, at most ¾ of the time left) drops the
+1. the balanced heuristic and the baselines give a first incumbent (in at most a third of the
+   time), which a local search (``_polish``) improves (in at most ``POLISH_SHARE`` more, and
+   by half the time);
+2. every M's packing bound (``_packing``, at most 9/10 of the time left) drops the
    M that cannot beat the incumbent (on GPT-175B all but two of nine); every other
    M's model is built and its LP relaxation solved (with the packing bound, the
    bound of its pieces until their own solves do better); then a first pass gives each piece
@@ -88,6 +88,8 @@ COARSE = 1e-2
 # the local search around the first incumbent (``_polish``) gets at most this share of the budget: on
 # gpt2-small × mixed-4type-512 it took the heuristic's 113.5 ms to 62.8 ms in 3.3 s (session 13)
 POLISH_SHARE = 1 / 6
+# seconds to build a model per (group, run, stage) cell, before one has been built (``plan``)
+BUILD_S_PER_CELL = 1e-4
 # what building the plan after the search takes at most: 30–40 ms on GPT-175B's 16 stages
 FINISH_S = 0.1
 # each M's whole-model LP relaxation gets at most this long: the bound of its pieces never reached
@@ -604,7 +606,7 @@ def plan(
         ev = evaluate(*given, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
         if ev.feasible and (best is None or score(ev, given[0], given[1]) < best[0]):
             best = (score(ev, given[0], given[1]), ev, given[0], given[1], given[2])
-    if best is not None:  # the local search around it, in at most POLISH_SHARE of the budget
+    if best is not None:  # the local search around it, in at most POLISH_SHARE of the budget, by half of it
         _, _, stages, groups, M = best
         polished = polish(
             stages,
@@ -615,7 +617,7 @@ def plan(
             candidates=candidates,
             max_stages=max_stages,
             score=score,
-            deadline=min(started + time_limit_s / 3, time.perf_counter() + POLISH_SHARE * time_limit_s),
+            deadline=min(started + time_limit_s / 2, time.perf_counter() + POLISH_SHARE * time_limit_s),
         )
         if polished is not None and polished.score < best[0]:
             best = (polished.score, polished.evaluation, polished.stages, polished.groups, polished.microbatches)
@@ -646,8 +648,9 @@ def plan(
             close = best is not None and bound >= _cutoff_ms(best, gap) / MS
             piece.done = result.status in ("Optimal", CUT_OFF) or close
 
-    # each M's packing bound, in at most three quarters of the time left (it needs them only where
-    # the ILP's own pieces would not finish either: GPT-175B, 1.5 s per M)
+    # each M's packing bound, in at most 9/10 of the time left (it needs them only where the ILP's
+    # own pieces would not finish either: GPT-175B, 1.5 s per M; with ¾, its M = 64 stopped at
+    # 420.6 s instead of 472.1 s once the local search took its share, session 17)
     packing = _packing_bounds(
         space,
         candidates,
@@ -655,11 +658,14 @@ def plan(
         schedule,
         best,
         gap=gap,
-        deadline=time.perf_counter() + 0.75 * (time_limit_s - (time.perf_counter() - started)),
+        deadline=time.perf_counter() + 0.9 * (time_limit_s - (time.perf_counter() - started)),
     )
     # each M's model and its pieces, one per stage count (the CBC fallback solves the model whole)
     pieces: list[_Piece] = []
-    build_s = 0.0  # how long the last model took to build
+    # how long the last model took to build; before the first, an estimate from its size (0.5–1.3 s
+    # for 208 groups × 3 runs × 16 stages, session 17: GPT-175B's first model, built with 0.8 s
+    # left, took its 10 s to 10.1)
+    build_s = BUILD_S_PER_CELL * len(space.groups) * len(space.runs) * max_stages
     for index, M in enumerate(candidates):
         packed = packing[M]
         if packed == math.inf:  # no plan of this M fits
@@ -689,6 +695,7 @@ def plan(
         if migration is not None:
             migration.add_to(sub)
         build_s = time.perf_counter() - building
+        log.debug("M=%d: model built in %.2f s (%d groups, %d runs)", M, build_s, len(space.groups), len(space.runs))
         if not highs_available():
             left = time_limit_s - (time.perf_counter() - started)
             result = _whole(sub, best, gap=gap, deadline=time.perf_counter() + left / (len(candidates) - index))
