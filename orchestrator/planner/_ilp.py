@@ -164,6 +164,20 @@ def boundary_runs(runs: list[Run]) -> list[int]:
     return [r for r, run in enumerate(runs) if r < len(runs) - 1 or run.count > 1]
 
 
+def cheapest_transfer_s(
+    runs: list[Run], groups: list[GroupConfig], table: CostTable, links, microbatches: int
+) -> float:
+    """π: the cheapest one-way transfer any stage boundary can have — the least output of a run a
+    stage other than the last can end with, over the cheapest link between the groups' types (0
+    when there is none)."""
+    types = {g.device_type for g in groups}
+    pairs = [links[t, t2] for t in types for t2 in types if (t, t2) in links]
+    ends = [runs[r].first + runs[r].count - 1 for r in boundary_runs(runs)]  # as the ILP's ``send_s``
+    if not pairs or not ends:
+        return 0.0
+    return min(table.send_s(layer, microbatches, link) for layer in ends for link in pairs)
+
+
 def link_bound_s(
     runs: list[Run], groups: list[GroupConfig], table: CostTable, links, microbatches: int, stages: int, schedule: str
 ) -> float:
@@ -188,12 +202,9 @@ def link_bound_s(
     valid = [g for g in groups if table.microbatch(g, microbatches) is not None]
     if not valid:
         return math.inf
-    types = {g.device_type for g in valid}
-    pairs = [links[t, t2] for t in types for t2 in types if (t, t2) in links]
-    ends = [runs[r].first + runs[r].count - 1 for r in boundary_runs(runs)]  # as the ILP's ``send_s``
-    if not pairs or not ends:
+    pi = cheapest_transfer_s(runs, valid, table, links, microbatches)
+    if pi == 0.0:
         return 0.0
-    pi = min(table.send_s(layer, microbatches, link) for layer in ends for link in pairs)
     least = [min(table.entry(run.first, g, microbatches).time_s for g in valid) for run in runs]
     work = sum(run.count * t for run, t in zip(runs, least))
     if schedule == "gpipe":

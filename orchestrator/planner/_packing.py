@@ -52,12 +52,24 @@ forward, backward, sync and optimizer, and a bucket's own stages counted at leas
     Z ≥ Σ_{p′} c_p′ + (M−1)·b + y + o of layer 0                       the first stage's sync
 
 (b_last: the last layer's backward on position 0's group, in position 0's rows; the last row
-only where layer 0 is a run of its own). Each averages over a bucket's stages the row that
+only where layer 0 is a run of its own). Under 1F1B, stage s's backward i + K_s waits for
+backward i's microbatch to go round the loop L_s = Σ_{s′≥s} c_s′ + 2·Σ P (the transfers to the
+end and back), so with M − 1 = q·K_s + r the closed form gives step ≥ U^f_s + U^b_s + (q+1)·L_s +
+r·b_s. With π the cheapest transfer any boundary can have (``_ilp.cheapest_transfer_s``), u_p =
+Σ_g n[g,p] the stages at bucket p, and q_p for the most in flight in the bucket (K = its last
+position + 1; r·b_p only for one-position buckets):
+
+    Z ≥ Σ_{p′>p} (c_p′ + 2π·u_p′) + (q_p+1)·(Σ_{p′<p} c_p′ + c_p/w_p + 2π·(Σ_{1≤p′<p} u_p′ + u_p/w_p)) + r_p·b_p
+
+(u_p/w_p only where the bucket starts past position 0). It holds where bucket p is empty too: the
+plan's first stage then has fewer in flight, so a q at least q_p, and a loop over every stage. Each averages over a bucket's stages the row that
 holds for every one of them, which is valid as each stage's own terms are non-negative. On
 gpt2-small × ``mixed-4type-64`` at M = 1 the bound went from 85.9 to 89.8 ms (the sync of the
 plan's one stage overlaps all but 16 ms of its backward), on GPT-175B × ``mixed-4type-512`` at
 M = 64 and 128 from 470.9 and 468.9 s to 472.1 and 470.7 s, and on the random chains of the test
-the median ratio to the optimum of its M (1F1B) from 0.991 to 0.996.
+the median ratio to the optimum of its M (1F1B) from 0.991 to 0.996. The in-flight cycle row
+then took GPT-175B at M = 64 and 128 to 477.3 and 474.8 s, and gpt2-small × ``mixed-4type-64`` at
+M = 1, 2, 4, 8 from 89.8, 91.7, 88.7, 84.8 ms to 94.4, 99.7, 94.9, 87.1 ms.
 
 Z(T), the least Z of the LP, bounds every plan whose stages each compute within T. A plan
 whose slowest stage computes more than T takes more than M·T, so min(M·T, Z(T)) is a bound
@@ -88,12 +100,14 @@ import time
 import numpy as np
 
 from orchestrator.planner._groups import GroupConfig, TypeInfo
-from orchestrator.planner._ilp import Run, in_flight
+from orchestrator.planner._ilp import Run, cheapest_transfer_s, in_flight
 from orchestrator.planner._table import CostTable
 
 # the search stops when its bound is this close (relative) to the most the bound could be: a
 # tenth of the 1% gap the planner aims for
 TOLERANCE = 1e-3
+# a probe starts from the last basis when its T is this close to the last one's (relative), else afresh
+WARM_WITHIN = 0.05
 
 
 class _BottleneckLP:
@@ -151,18 +165,21 @@ class _BottleneckLP:
         backward = times - forward
         after_sync = bound.sync + bound.optimizer
 
-        def step_row(weights: np.ndarray, last_backward: bool = False) -> None:
+        def step_row(weights: np.ndarray, last_backward: bool = False, per_stage: np.ndarray | None = None) -> None:
+            """Z ≥ Σ weights·x (+ Σ per_stage[g,p]·n[g,p])."""
             cols, vals = np.r_[step, x.ravel()], np.r_[1.0, -weights.ravel()]
+            if per_stage is not None:
+                cols, vals = np.r_[cols, n.ravel()], np.r_[vals, -per_stage.ravel()]
             if last_backward:
                 cols, vals = np.r_[cols, n[:, 0]], np.r_[vals, -backward[R - 1]]
             keep = vals != 0
             rows.append((cols[keep], vals[keep], 0.0, math.inf))
 
-        first_position = 0
+        end = 0  # one past the bucket's last position
         for p, (width, _) in enumerate(buckets):
-            first_position += width
+            end += width
             # d: the most microbatches in flight in the bucket (1F1B), less one
-            d = 0 if bound.schedule == "gpipe" else min(M, first_position) - 1
+            d = 0 if bound.schedule == "gpipe" else min(M, end) - 1
             weights = np.zeros((R, G, P))  # fill, upstream only
             weights[:, :, p + 1 :] = times[:, :, None]
             weights[:, :, p] = M * times / width
@@ -177,6 +194,18 @@ class _BottleneckLP:
             weights[:, :, :p] = times[:, :, None]  # tail, the whole pipeline
             weights[:, :, p] = ((width - 1 - d) * forward + M * times - backward + after_sync) / width
             step_row(weights, last_backward=p == 0)
+            if bound.schedule != "gpipe":  # 1F1B's in-flight cycle, its loop with its transfers
+                q = (M - 1) // end  # K = end, the most in flight in the bucket
+                weights = np.zeros((R, G, P))
+                weights[:, :, p + 1 :] = times[:, :, None]
+                weights[:, :, :p] = (q + 1) * times[:, :, None]
+                weights[:, :, p] = (q + 1) * times / width + (((M - 1) % end) * backward if width == 1 else 0.0)
+                transfers = np.zeros((G, P))
+                transfers[:, p + 1 :] = 2 * bound.transfer_s
+                transfers[:, 1:p] = 2 * bound.transfer_s * (q + 1)
+                if end - width >= 1:
+                    transfers[:, p] = 2 * bound.transfer_s * (q + 1) / width
+                step_row(weights, per_stage=transfers)
         if bound.runs and bound.runs[0].count == 1:  # the first layer's stage, its sync after its drain
             weights = np.repeat(times[:, :, None], P, axis=2)
             weights[0] += ((M - 1) * backward[0] + after_sync[0])[:, None]
@@ -205,6 +234,7 @@ class _BottleneckLP:
             self.highs = highspy.Highs()
         self.highs.setOptionValue("output_flag", False)
         self.highs.setOptionValue("threads", 1)
+        self.last_s: float | None = None  # the T of the last solve, whose basis the next starts from
         empty = np.zeros(0, dtype=np.int32)
         cost = np.zeros(columns)
         cost[step] = 1.0
@@ -231,6 +261,11 @@ class _BottleneckLP:
             within = fits if time_s <= 0 else min(fits, math.floor(bottleneck_s / time_s * (1 + 1e-9)))
             self.highs.changeCoeff(row, column, -float(within))
         decided = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
+        if self.last_s is not None and abs(bottleneck_s - self.last_s) > WARM_WITHIN * self.last_s:
+            # far from the last T a warm start tends to end undecided, slowly (GPT-175B at M = 64, T
+            # from 7.98 to 7.18 s: undecided after 1.02 s, infeasible in 0.26 s from scratch)
+            self.highs.clearSolver()
+        self.last_s = bottleneck_s
         self.highs.run()
         status = self.highs.getModelStatus()
         # a warm start can end undecided (kUnknown after a large change of T), and so can a fresh
@@ -266,9 +301,13 @@ class PackingBound:
         microbatches: int,
         max_stages: int,
         schedule: str,
+        links=None,
     ):
+        """``links``: the link a stage on type t sends to type t2 on (``SearchSpace.links``); without
+        them the rows price no transfer."""
         self.runs, self.groups, self.infos, self.M, self.J = runs, groups, infos, microbatches, max_stages
         self.schedule = schedule
+        self.transfer_s = cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0
         entries = [[table.entry(run.first, g, microbatches) for g in groups] for run in runs]
 
         def per_run_and_group(field: str) -> np.ndarray:

@@ -313,7 +313,14 @@ def _packing_bounds(
             found[M] = simple
             continue
         searches[M] = PackingBound(
-            space.runs, groups, space.table, space.infos, microbatches=M, max_stages=max_stages, schedule=schedule
+            space.runs,
+            groups,
+            space.table,
+            space.infos,
+            microbatches=M,
+            max_stages=max_stages,
+            schedule=schedule,
+            links=space.links,
         )
         share = time.perf_counter() + (deadline - time.perf_counter()) / (len(candidates) - index)
         found[M] = _packing_search(searches[M], simple, cutoff_s, best, share, COARSE)

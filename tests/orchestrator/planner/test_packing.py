@@ -19,7 +19,14 @@ def _bound(space, M, schedule, stages):
         [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
     )
     packing = PackingBound(
-        space.runs, groups, space.table, space.infos, microbatches=M, max_stages=stages, schedule=schedule
+        space.runs,
+        groups,
+        space.table,
+        space.infos,
+        microbatches=M,
+        max_stages=stages,
+        schedule=schedule,
+        links=space.links,
     )
     return packing, simple_bound_s(space.runs, groups, space.table, space.infos, M)
 
