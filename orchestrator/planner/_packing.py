@@ -176,40 +176,45 @@ class _BottleneckLP:
             rows.append((cols[keep], vals[keep], 0.0, math.inf))
 
         end = 0  # one past the bucket's last position
+        every_boundary = np.zeros((G, P))  # each stage but the last sends there and back
+        every_boundary[:, 1:] = 2 * bound.transfer_s
         for p, (width, _) in enumerate(buckets):
             end += width
             # d: the most microbatches in flight in the bucket (1F1B), less one
             d = 0 if bound.schedule == "gpipe" else min(M, end) - 1
+            # transfers: 2π for each stage upstream (there and back), π one way, 2π for each
+            # boundary downstream (the bucket's own stages at 1/w each, where they send)
+            pi = bound.transfer_s
+            both_ways_up, one_way_up, downstream = (np.zeros((G, P)) for _ in range(3))
+            both_ways_up[:, p + 1 :], one_way_up[:, p + 1 :] = 2 * pi, pi
+            downstream[:, 1:p] = 2 * pi
+            if end - width >= 1:
+                downstream[:, p] = 2 * pi / width
             weights = np.zeros((R, G, P))  # fill, upstream only
             weights[:, :, p + 1 :] = times[:, :, None]
             weights[:, :, p] = M * times / width
-            step_row(weights)
+            step_row(weights, per_stage=both_ways_up)
             weights = np.repeat(times[:, :, None], P, axis=2)  # fill, the whole pipeline
             weights[:, :, p] += ((M - 1) * times - d * forward) / width
-            step_row(weights)
+            step_row(weights, per_stage=every_boundary)
             weights = np.zeros((R, G, P))  # tail, upstream forwards only
             weights[:, :, p + 1 :] = forward[:, :, None]
             weights[:, :, p] = (M * times - backward + after_sync) / width
-            step_row(weights, last_backward=p == 0)
+            step_row(weights, last_backward=p == 0, per_stage=one_way_up)
             weights[:, :, :p] = times[:, :, None]  # tail, the whole pipeline
             weights[:, :, p] = ((width - 1 - d) * forward + M * times - backward + after_sync) / width
-            step_row(weights, last_backward=p == 0)
+            step_row(weights, last_backward=p == 0, per_stage=one_way_up + downstream)
             if bound.schedule != "gpipe":  # 1F1B's in-flight cycle, its loop with its transfers
                 q = (M - 1) // end  # K = end, the most in flight in the bucket
                 weights = np.zeros((R, G, P))
                 weights[:, :, p + 1 :] = times[:, :, None]
                 weights[:, :, :p] = (q + 1) * times[:, :, None]
                 weights[:, :, p] = (q + 1) * times / width + (((M - 1) % end) * backward if width == 1 else 0.0)
-                transfers = np.zeros((G, P))
-                transfers[:, p + 1 :] = 2 * bound.transfer_s
-                transfers[:, 1:p] = 2 * bound.transfer_s * (q + 1)
-                if end - width >= 1:
-                    transfers[:, p] = 2 * bound.transfer_s * (q + 1) / width
-                step_row(weights, per_stage=transfers)
+                step_row(weights, per_stage=both_ways_up + (q + 1) * downstream)
         if bound.runs and bound.runs[0].count == 1:  # the first layer's stage, its sync after its drain
             weights = np.repeat(times[:, :, None], P, axis=2)
             weights[0] += ((M - 1) * backward[0] + after_sync[0])[:, None]
-            step_row(weights)
+            step_row(weights, per_stage=every_boundary)
         columns += 1
         for t, info in bound.infos.items():
             mine = [g for g in range(G) if t in bound.groups[g].by_type]
