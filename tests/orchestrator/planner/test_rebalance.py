@@ -77,3 +77,27 @@ def test_rebalance_finds_the_least_bottleneck_of_every_cut():
                 assert rebalancer.rebalance(groups, M, above_s=truth * (1 - 1e-6)) is None
                 compared += 1
     assert compared >= 60 and empty >= 1, (compared, empty)
+
+
+def test_reorders_keep_the_device_sets_cover_every_layer_and_never_slow_the_bottleneck():
+    from orchestrator.baselines import BASELINES
+    from orchestrator.planner._polish import _Moves
+
+    checked = 0
+    for seed in range(16):
+        model = random_instance(seed)
+        start = BASELINES["uniform"](model, global_batch=BATCH, microbatch_candidates=(1, 2, 4), max_stages=3)
+        if start is None:
+            continue
+        space = search_space(model, BATCH, recompute=True)
+        moves = _Moves(space, [4, 2, 1], 3, "1f1b")
+        candidate = (tuple(tuple(s) for s in start.stages), tuple(start.groups), start.microbatches)
+        before = moves.rebalancer.bottleneck_s(*candidate)
+        sets = sorted((g.device_type, g.size, g.tp) for g in start.groups)
+        for stages, groups, M in moves.reorders(candidate):
+            assert M == start.microbatches
+            assert [layer for stage in stages for layer in stage] == list(range(space.layers))
+            assert all(stages) and sorted((g.device_type, g.size, g.tp) for g in groups) == sets
+            assert moves.rebalancer.bottleneck_s(stages, groups, M) <= before * (1 + 1e-9)
+            checked += 1
+    assert checked >= 20, checked
