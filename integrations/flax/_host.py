@@ -42,6 +42,7 @@ class HostCosts:
     buffer_s: float
     blocking: dict[int, float]  # by mesh size
     slowdown: dict[int, float]  # by number of devices busy at once
+    executor_s: float = 0.0  # the executor's own host seconds per dispatch (``_bench.executor_seconds``)
 
     def dispatch(self, devices: int) -> float:
         """d(k), from the nearest measured mesh size at or above ``devices``."""
