@@ -37,7 +37,7 @@ D_k dispatches to k devices and N buffers per step, counted on the executor) as
 e is the executor's own host time per dispatch, its Python work around each call, which d(k) (a
 bare jitted call) and b leave out (:func:`executor_seconds`): fitted once per ranking on the
 2-stage plan at sequence length 1, where the devices have next to nothing to do, as the median
-measured step less the simulated one, per dispatch (53–57 µs in session 17). The pipelines take
+measured step less the simulated one, per dispatch (53–62 µs in session 17). The pipelines take
 71 and 110 dispatches a step against 3 for one stage, so without it they simulated 11–13 ms short of
 their measured 38–39 ms and ranked below single-stage plans they are twice as slow as.
 
