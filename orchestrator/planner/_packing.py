@@ -181,15 +181,15 @@ class _BottleneckLP:
             rows.append((cols[keep], vals[keep], 0.0, math.inf))
 
         end = 0  # one past the bucket's last position
+        pi = bound.transfer_s
         every_boundary = np.zeros((G, P))  # each stage but the last sends there and back
-        every_boundary[:, 1:] = 2 * bound.transfer_s
+        every_boundary[:, 1:] = 2 * pi
         for p, (width, _) in enumerate(buckets):
             end += width
             # d: the most microbatches in flight in the bucket (1F1B), less one
             d = 0 if bound.schedule == "gpipe" else min(M, end) - 1
             # transfers: 2π for each stage upstream (there and back), π one way, 2π for each
             # boundary downstream (the bucket's own stages at 1/w each, where they send)
-            pi = bound.transfer_s
             both_ways_up, one_way_up, downstream = (np.zeros((G, P)) for _ in range(3))
             both_ways_up[:, p + 1 :], one_way_up[:, p + 1 :] = 2 * pi, pi
             downstream[:, 1:p] = 2 * pi
