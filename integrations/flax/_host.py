@@ -123,7 +123,9 @@ def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, floa
     own copy of the arguments on each, median wall time over the time of one device alone."""
     from orchestrator.profile import median_seconds
 
-    counts = [k for k in counts if k <= len(jax.devices())]
+    counts = [k for k in counts if 1 < k <= len(jax.devices())]
+    if not counts:  # s(1) = 1 by definition
+        return {}
     jitted = jax.jit(step)
     copies = [jax.device_put(args, device) for device in jax.devices()[: max(counts)]]
 
@@ -131,7 +133,7 @@ def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, floa
         return median_seconds(lambda: [jitted(*copy) for copy in copies[:k]], repeats=repeats, warmup=2)
 
     alone = seconds(1)
-    return {k: seconds(k) / alone for k in counts if k > 1}
+    return {k: seconds(k) / alone for k in counts}
 
 
 def measure_host_costs(step, *args) -> HostCosts:

@@ -46,3 +46,8 @@ def test_measured_dispatch_and_blocking_are_plausible():
     assert 0 < dispatch_seconds(1, repeats=20) < 5e-3
     assert 0 <= blocking_share(2, dispatch_seconds(2, repeats=20), n=128, repeats=5) <= 1
     assert len(jax.devices()) >= 8
+
+
+def test_slowdown_of_one_device_alone_is_one_by_definition():
+    # a plan whose stages are all one device asks only for s(1); measuring nothing used to crash
+    assert slowdown(lambda x: x + 1, jnp.ones(4), counts=(1,)) == {}
