@@ -248,22 +248,37 @@ def _heuristic(model, space, global_batch, schedule, candidates, max_stages, rec
     return min(found, key=lambda f: f.iteration_s) if found else None
 
 
-def _single_stage(space: SearchSpace, candidates, schedule: str, *, deadline: float):
+@dataclass(frozen=True, slots=True)
+class OneStage:
+    """The one-stage plans, all priced: the best (evaluation, group, M) or None when none fits, and
+    per M the least step time of any (inf where none fits); ``complete`` is False when the deadline
+    stopped the pricing, and ``least_s`` then covers only what was priced."""
+
+    best: tuple[Evaluation, GroupConfig, int] | None
+    least_s: dict[int, float]
+    complete: bool
+
+
+def _single_stage(space: SearchSpace, candidates, schedule: str, *, deadline: float) -> OneStage:
     """The best plan of one stage: every layer on one group (any type, size, tp, recompute, or a
-    mixed group with its batch shares), at every M; None when none fits.
+    mixed group with its batch shares), at every M.
 
     The balanced heuristic and the baselines build pipelines and place one type per stage, so
     they miss plans that give one stage every device of two types: on gpt2-small ×
     mixed-4type-64 the best plan is data parallelism over 16 a100 and 16 h100 (102.4 ms), and the
     local search from the heuristic's 3 stages stopped at 119.4 ms, which the ILP did not improve in
     30 s (session 16). Trying every group takes 0.6–1.5 s on the presets (208 groups × 7–9 M).
-    A group whose parameters and optimizer state alone overflow its devices is skipped at once."""
+    A group whose parameters and optimizer state alone overflow its devices is skipped at once.
+
+    Pricing every group is enumeration: when it completes, each M's least one-stage time is that
+    M's one-stage optimum, so the ILP's one-stage piece of that M needs no solve (session 19)."""
     layers = list(range(space.layers))
     found = None
+    least = dict.fromkeys(candidates, math.inf)
     for group in space.groups:
         for M in candidates:
             if time.perf_counter() >= deadline:
-                return found
+                return OneStage(found, least, complete=False)
             if space.table.microbatch(group, M) is None:
                 continue
             if _state_overflows(space.table, layers, group, M):
@@ -278,9 +293,12 @@ def _single_stage(space: SearchSpace, candidates, schedule: str, *, deadline: fl
                 links=space.links,
                 report_infeasible=False,
             )
-            if ev.feasible and (found is None or ev.iteration_s < found[0].iteration_s):
+            if not ev.feasible:
+                continue
+            least[M] = min(least[M], ev.iteration_s)
+            if found is None or ev.iteration_s < found[0].iteration_s:
                 found = (ev, group, M)
-    return found
+    return OneStage(found, least, complete=True)
 
 
 def _state_overflows(table, layers: list[int], group: GroupConfig, M: int) -> bool:
@@ -466,7 +484,7 @@ def _first_pass(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float
 
     def settle(piece: _Piece) -> None:
         if piece.most and not piece.done:
-            queue.extend(piece.split())
+            queue.extend(_close_beaten(piece.split(), best(), gap))
         else:
             kept.append(piece)
 
@@ -489,10 +507,24 @@ def _first_pass(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float
     return kept + queue + [piece for piece, _ in workers.running.values()]
 
 
+def _close_beaten(pieces: list[_Piece], best, gap: float) -> list[_Piece]:
+    """``pieces``, those whose bound is within ``gap`` of the incumbent ``best`` closed unsolved: a
+    tail piece's stage counts start from their link bounds, which grow with S (on gpt-1.3b ×
+    mixed-4type-512 the pieces of 13 to 16 stages at M = 16 started above the cutoff and were
+    solved anyway, session 19), and a better incumbent found since a piece's last solve may put
+    its bound past the cutoff."""
+    if best is not None:
+        cutoff = _cutoff_ms(best, gap) / MS
+        for piece in pieces:
+            piece.done = piece.done or piece.bound_s >= cutoff
+    return pieces
+
+
 def _rounds(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float, deadline: float) -> None:
     """Solve the open pieces again, weakest bound first, each with a fair share of the time
     left and at least twice its last try (each try starts over), until all close or time is up."""
     while (left := deadline - time.perf_counter()) > 0.05 + workers.overrun_s:
+        _close_beaten(pieces, best(), gap)
         waiting = sorted((p for p in pieces if not p.done and not workers.is_running(p)), key=lambda p: p.bound_s)
         if not waiting and not workers.running:
             break
@@ -603,8 +635,11 @@ def plan(
             "heuristic start: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, start.microbatches, len(start.stages)
         )
     single = _single_stage(space, candidates, schedule, deadline=started + time_limit_s / 3)
-    if single is not None:
-        ev, group, M = single
+    # each M's one-stage optimum, where every group was priced (with a migration term the score is
+    # not the step time, so its one-stage pieces are solved as the others are)
+    one_stage_s = single.least_s if single.complete and migration is None else {}
+    if single.best is not None:
+        ev, group, M = single.best
         stages = [list(range(L))]
         if best is None or score(ev, stages, [group]) < best[0]:
             best = (score(ev, stages, [group]), ev, stages, [group], M)
@@ -726,11 +761,14 @@ def plan(
         tail = min(TAIL_FROM, sub.J)  # stage counts from here on start as one piece
         sessions = [session]
         # a piece of S stages starts from its link bound where that is higher (it grows with S)
-        pieces += [_Piece(sub, sessions, S, bound_s=max(floor, sub.link_bound_s(S))) for S in range(1, tail)]
-        pieces.append(_Piece(sub, sessions, tail, bound_s=max(floor, sub.link_bound_s(tail)), most=sub.J))
+        built = [_Piece(sub, sessions, S, bound_s=max(floor, sub.link_bound_s(S))) for S in range(1, tail)]
+        built.append(_Piece(sub, sessions, tail, bound_s=max(floor, sub.link_bound_s(tail)), most=sub.J))
+        if M in one_stage_s and built[0].last == 1:  # its one-stage piece is solved already, by enumeration
+            built[0].bound_s, built[0].done = max(built[0].bound_s, one_stage_s[M]), True
+        pieces += built
     cutoff = _cutoff_ms(best, gap) / MS if best is not None else math.inf
     for piece in pieces:
-        piece.done = piece.bound_s >= cutoff  # none is gap better than the incumbent
+        piece.done = piece.done or piece.bound_s >= cutoff  # none is gap better than the incumbent
     pieces.sort(key=lambda p: p.stages)
     with PieceWorkers(default_workers(), lambda piece, result: record(piece.model, result, piece)) as workers:
         # the search ends a little early, so the plan (devices, explanation) is built within the limit

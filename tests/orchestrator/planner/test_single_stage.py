@@ -1,5 +1,6 @@
 """The best one-stage plan (``_single_stage``), which joins the planner's first incumbent, against
-pricing every group at every M: skipping the groups whose state alone overflows loses no plan."""
+pricing every group at every M: skipping the groups whose state alone overflows loses no plan, and
+each M's least one-stage time (the bound of the ILP's one-stage piece of that M) is that M's optimum."""
 
 import math
 
@@ -28,7 +29,12 @@ def test_single_stage_is_the_best_one_stage_plan(schedule):
         ]  # fmt: skip
         fitting = [ev.iteration_s for ev, _, _ in priced if ev.feasible]
         skipped += sum(_state_overflows(space.table, layers, g, M) for _, g, M in priced)
-        found = _single_stage(space, CANDIDATES, schedule, deadline=math.inf)
+        one = _single_stage(space, CANDIDATES, schedule, deadline=math.inf)
+        assert one.complete
+        for M in CANDIDATES:
+            at_m = [ev.iteration_s for ev, _, m in priced if m == M and ev.feasible]
+            assert one.least_s[M] == pytest.approx(min(at_m, default=math.inf), rel=1e-12), f"seed {seed}, M={M}"
+        found = one.best
         if not fitting:
             assert found is None, f"seed {seed}: a one-stage plan was returned where none fits"
             continue
@@ -37,3 +43,9 @@ def test_single_stage_is_the_best_one_stage_plan(schedule):
         compared += 1
     assert compared >= 6
     assert skipped > 0, "no instance exercised the state-overflow skip"
+
+
+def test_a_deadline_leaves_the_pricing_incomplete():
+    space = search_space(random_instance(0), BATCH, recompute=True, mixed=True)
+    one = _single_stage(space, CANDIDATES, "1f1b", deadline=0.0)
+    assert not one.complete and one.best is None
