@@ -532,7 +532,11 @@ def _rounds(pieces: list[_Piece], workers: PieceWorkers, best, *, gap: float, de
     time is up."""
     while (left := deadline - time.perf_counter()) > 0.05 + workers.overrun_s:
         _close_beaten(pieces, best(), gap)
-        waiting = sorted((p for p in pieces if not p.done and not workers.is_running(p)), key=lambda p: p.bound_s)
+        # weakest bound first; among equal bounds the piece tried least (a stage count never reached
+        # beyond its starting bound may close at once where a long-tried one will not)
+        waiting = sorted(
+            (p for p in pieces if not p.done and not workers.is_running(p)), key=lambda p: (p.bound_s, p.limit_s)
+        )
         if not waiting and not workers.running:
             break
         open_count = len(waiting) + len(workers.running)
