@@ -787,9 +787,7 @@ def plan(
         if M in one_stage_s and built[0].last == 1:  # its one-stage piece is solved already, by enumeration
             built[0].bound_s, built[0].done = max(built[0].bound_s, one_stage_s[M]), True
         pieces += built
-    cutoff = _cutoff_ms(best, gap) / MS if best is not None else math.inf
-    for piece in pieces:
-        piece.done = piece.done or piece.bound_s >= cutoff  # none is gap better than the incumbent
+    _close_beaten(pieces, best, gap)  # none is gap better than the incumbent
     pieces.sort(key=lambda p: p.stages)
     with PieceWorkers(default_workers(), lambda piece, result: record(piece.model, result, piece)) as workers:
         # the search ends a little early, so the plan (devices, explanation) is built within the limit
