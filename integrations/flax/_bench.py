@@ -363,11 +363,13 @@ def communication_cases(su: Setup, progress=None) -> list[dict]:
     return cases
 
 
-def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 3) -> list[dict]:
+def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 4) -> list[dict]:
     """Every stage of ``plans`` timed alone against its prediction, in ``rounds`` rounds: each round
     takes the plans in turn, and before each plan profiles the layers and measures s(k) again
     (:func:`recalibrated`), so prediction and measurement see the machine in the same state. The
-    medians over the rounds are compared; the measured times' spread over the rounds is reported."""
+    medians over the rounds are compared; the measured times' spread over the rounds is reported,
+    and the measurement against itself (:func:`self_agreement`): no prediction can be checked to
+    15% on a stage whose own even and odd rounds differ by more."""
     name = su.recipe.name
     built = {plan_name: check_plan(plan_name, global_batch=su.batch["inputs"].shape[0]) for plan_name in plans}
     timers = {plan_name: StageTimer(plan, su) for plan_name, plan in built.items()}
@@ -397,9 +399,22 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 3)
                     rel_err=err,
                     round_errors=[mr / pr - 1 for mr, pr in zip(measured[plan_name][s], predicted[plan_name][s])],
                     measured_spread=(max(measured[plan_name][s]) - min(measured[plan_name][s])) / m,
+                    repeat_err=self_agreement(measured[plan_name][s]),
                 )
             )
     return cases
+
+
+def self_agreement(rounds: list[float]) -> float:
+    """A measurement against itself: the median of the odd rounds over that of the even rounds, less 1.
+
+    The rounds alternate with the other plans' rounds and with recalibrations, so both halves see
+    the machine alike; on a machine whose timings repeat, this is near 0. Example:
+    ``self_agreement([10.0, 12.0, 10.0, 12.0])`` is 0.2.
+    """
+    if len(rounds) < 2:
+        raise ValueError(f"self_agreement needs at least 2 rounds, got {len(rounds)}")
+    return statistics.median(rounds[1::2]) / statistics.median(rounds[0::2]) - 1
 
 
 def executor_seconds(recipe_name: str, plan_name: str = "2 stages (3+1) x 4 mb", *, rounds: int = 8) -> float:

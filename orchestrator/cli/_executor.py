@@ -72,6 +72,10 @@ def bench_executor_command(
             for row in result["ranking"]:
                 ranking.add_row(row["plan"], f"{row['measured_s'] * 1e3:.2f}", f"{row['simulated_s'] * 1e3:.2f}")
             out.print(ranking)
+        repeats = [c["repeat_err"] for c in cases if "repeat_err" in c]
+        if repeats:
+            agree = sum(abs(r) <= 0.15 for r in repeats)
+            out.print(f"stage times that agree with themselves within 15% (odd vs even rounds): {agree}/{len(repeats)}")
         out.print(f"{sum(c['ok'] for c in cases)}/{len(cases)} cases within tolerance")
     if not all(c["ok"] for c in cases):
         raise typer.Exit(code=1)

@@ -1,7 +1,8 @@
 """The ``local`` cluster: this machine's jax devices, measured.
 
 Virtual CPU devices (``--xla_force_host_platform_device_count``) share the
-machine's cores; the cluster records that in ``shared_cores``. Peak FLOP/s and
+cores this process may run on (its CPU affinity, so ``taskset -c 0`` means one);
+the cluster records that in ``shared_cores``. Peak FLOP/s and
 memory bandwidth are measured once per process with a compiled matmul and a
 copy on one device (medians of a few runs), and each of n virtual devices on
 c cores is given its share when all run at once:
@@ -54,6 +55,15 @@ def last_level_cache_bytes() -> int | None:
     return max(levels)[1] if levels else None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a container's CPU set), which
+    can be fewer than the machine's ``os.cpu_count()``; that count where affinity is not reported."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def local_cluster() -> Cluster:
     devices = jax.devices()
     kind = devices[0].device_kind or devices[0].platform
@@ -65,7 +75,7 @@ def local_cluster() -> Cluster:
     except ImportError:  # pragma: no cover - psutil ships with our dependencies
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = devices[0].platform == "cpu"
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     share = min(1.0, cores / len(devices)) if cpu else 1.0  # virtual CPU devices split the cores
     per_device_memory = memory // len(devices) if cpu else memory
     cache = last_level_cache_bytes() if cpu else None

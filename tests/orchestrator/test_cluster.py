@@ -172,3 +172,19 @@ def test_cluster_show_prints_the_preset():
     assert result.exit_code == 0, result.output
     assert "v100-1" in result.stdout and "rack-a" in result.stdout
     assert "32 devices in service" in result.stdout
+
+
+def test_local_cluster_shares_the_cores_this_process_may_use(tmp_path):
+    # restricted to one core (as taskset or a container's CPU set would), the 8 virtual devices share one
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from orchestrator.cluster import load_cluster; print(load_cluster('local').shared_cores)"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+    assert load_cluster("local").shared_cores == len(os.sched_getaffinity(0))

@@ -52,3 +52,12 @@ def test_slowdown_of_one_device_alone_is_one_by_definition():
     # a plan whose stages are all one device asks for no s(k) (the bench passes the counts above 1)
     assert slowdown(lambda x: x + 1, jnp.ones(4), counts=()) == {}
     assert slowdown(lambda x: x + 1, jnp.ones(4), counts=(1,)) == {}
+
+
+def test_self_agreement_compares_odd_rounds_with_even_ones():
+    from integrations.flax._bench import self_agreement
+
+    assert self_agreement([10.0, 12.0, 10.0, 12.0]) == pytest.approx(0.2)
+    assert self_agreement([3.0, 3.0]) == 0.0
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        self_agreement([1.0])
