@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +25,16 @@ from orchestrator.cluster._model import Cluster, DeviceType, Host, Link
 
 
 @functools.cache
-def measure_local_device(size: int = 1024) -> tuple[float, float]:
-    """(matmul FLOP/s, copy bytes/s) of the first local device, fp32."""
+def measure_local_device(size: int = 1024, repeats: int = 9) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) of the first local device, fp32.
+
+    The copy (a 32 MiB array scaled in place) donates its input, so each call writes into the
+    buffer it read, as the ops inside a compiled step write into buffers the program reuses.
+    Into a fresh output instead, the CPU faults in every page of it on each call: on the 2-core
+    development machine that measured 5.6–6.8 GB/s against 62–88 GB/s donated (session 20), and
+    the roofline then priced elementwise ops, which tensor parallelism repeats on every device,
+    at ten times their cost, so the tensor-parallel stages came out 28–40% slower than measured.
+    """
     from orchestrator.profile._timing import median_seconds  # profile imports costs, which imports cluster
 
     device = jax.devices()[0]
@@ -32,8 +42,15 @@ def measure_local_device(size: int = 1024) -> tuple[float, float]:
     matmul = jax.jit(lambda x: x @ x)
     flops = 2 * size**3 / median_seconds(matmul, a)
     big = jax.device_put(jnp.ones((8 * size, size), jnp.float32), device)
-    copy = jax.jit(lambda x: x * 1.0001)
-    bandwidth = 2 * big.nbytes / median_seconds(copy, big)
+    copy = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
+    seconds = []
+    for i in range(repeats + 2):  # two warm-up calls
+        start = time.perf_counter()
+        big = copy(big)
+        big.block_until_ready()
+        if i >= 2:
+            seconds.append(time.perf_counter() - start)
+    bandwidth = 2 * big.nbytes / statistics.median(seconds)
     return flops, bandwidth
 
 

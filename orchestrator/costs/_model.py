@@ -89,6 +89,9 @@ class LayerCost:
     activation_bytes: float  # kept per in-flight microbatch
     transient_bytes: float
     output_activation_bytes: float  # sent to the next layer per microbatch
+    # of forward_s + backward_s, the part that does not shrink with the microbatch or the TP degree
+    # (measured per-call and per-op costs, ``LayerTiming.forward_fixed_s``); 0 where not measured
+    fixed_s: float = 0.0
     breakdown: Mapping[str, float] = field(default_factory=dict)
 
     def memory_bytes(self, in_flight_microbatches: int = 1) -> float:
@@ -114,7 +117,9 @@ class CostModel:
       measured: layer timings by signature (:mod:`orchestrator.profile`). For
         the device type they were measured on, a layer's time is the measured
         one, scaled from the profiled batch to the configuration by the
-        model's own ratio; other types are projected.
+        model's own ratio; other types are projected. Where a timing has a
+        fixed part f (measured at two batches), only the rest scales:
+        t(config) = f + (t − f) · modelled(config) / modelled(profile).
       measured_batch_size: the batch the timings were measured with.
     """
 
@@ -248,7 +253,15 @@ class CostModel:
             return modelled
         at_profile = self._modelled_time(index, device_type, phase, 1, self.measured_batch_size)
         measured = getattr(timing, f"{phase}_s")
-        return measured * (modelled / at_profile) if at_profile > 0 else measured
+        fixed = self._fixed_time(index, device_type, phase)
+        return fixed + (measured - fixed) * (modelled / at_profile) if at_profile > 0 else measured
+
+    def _fixed_time(self, index: int, device_type: str, phase: str) -> float:
+        """The measured part of a phase's time that does not scale (``LayerTiming.forward_fixed_s``), else 0."""
+        timing = self.measured.get(self.layers[index].signature)
+        if timing is None or getattr(timing, "device_kind", None) != device_type:
+            return 0.0
+        return getattr(timing, f"{phase}_fixed_s", None) or 0.0
 
     def tp_allreduce_bytes(self, index: int, microbatch: int, tp: int) -> dict[str, float]:
         """Per-device operand bytes of the layer's all-reduces under tensor-parallel degree ``tp``, by phase."""
@@ -351,8 +364,10 @@ class CostModel:
         optimizer = self._phase_time(index, device_type, "optimizer", t, m)
         if config.zero:
             optimizer /= config.dp
+        fixed = self._fixed_time(index, device_type, "forward") + self._fixed_time(index, device_type, "backward")
         if config.recompute:
             backward += forward
+            fixed += self._fixed_time(index, device_type, "forward")
         ar = self.tp_allreduce_bytes(index, m, t) if t > 1 else {}
         tp_fwd, tp_bwd = ar.get("forward", 0.0), ar.get("backward", 0.0)
         if config.recompute:
@@ -388,6 +403,7 @@ class CostModel:
             activation_bytes=kept,
             transient_bytes=transient,
             output_activation_bytes=layer.activation_bytes * m / self.batch_size,
+            fixed_s=fixed,
             breakdown={"tp_forward_bytes": tp_fwd, "tp_backward_bytes": tp_bwd},
         )
 

@@ -10,7 +10,13 @@ from pathlib import Path
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerTiming:
-    """Median measured seconds of one distinct layer's pieces on one device kind."""
+    """Median measured seconds of one distinct layer's pieces on one device kind.
+
+    ``forward_fixed_s`` and ``backward_fixed_s``, when measured (``profile_layers(...,
+    fixed_from=...)``), are the parts of ``forward_s`` and ``backward_s`` that do not shrink with
+    the batch: the line through this profile's time and the time at a smaller batch, read at
+    batch 0 (clamped to [0, the smaller batch's time]). None: not measured.
+    """
 
     signature: str
     name: str  # the first layer with this signature
@@ -18,6 +24,8 @@ class LayerTiming:
     forward_s: float
     backward_s: float
     optimizer_s: float
+    forward_fixed_s: float | None = None
+    backward_fixed_s: float | None = None
 
     @property
     def total_s(self) -> float:

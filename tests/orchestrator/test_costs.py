@@ -383,3 +383,41 @@ def test_program_outputs_are_apart_from_the_temporary_peak():
     result = liveness(_chain([("x", "y")], ops))
     assert result.output_bytes == 4096 + 1024  # y is read by nothing either
     assert result.peak_bytes == 1024
+
+
+def test_a_measured_fixed_part_does_not_scale_with_the_microbatch_or_tp():
+    from orchestrator.profile import LayerTiming
+
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    layers = coarsen(graph)
+    cluster = load_cluster("local")
+    [kind] = cluster.device_types
+    block = layers[1]
+    plain = LayerTiming(
+        signature=block.signature, name=block.name, device_kind=kind, forward_s=1.0, backward_s=2.0, optimizer_s=0.5
+    )
+    fixed = dataclasses.replace(plain, forward_fixed_s=0.2, backward_fixed_s=0.4)
+    axes = recipe.param_axes()
+
+    def cost(timing, **config):
+        model = CostModel(
+            graph,
+            layers,
+            cluster,
+            batch_size=8,
+            param_axes=axes,
+            measured={block.signature: timing},
+            measured_batch_size=8,
+        )
+        return model.layer_cost(1, kind, ParallelConfig(**config))
+
+    assert cost(fixed, microbatch_size=8).forward_s == pytest.approx(1.0)  # at the profiled batch: as measured
+    assert cost(fixed, microbatch_size=8).fixed_s == pytest.approx(0.6)
+    assert cost(plain, microbatch_size=8).fixed_s == 0.0
+    # t(config) = f + (t − f) · modelled(config) / modelled(profile): only the rest shrinks
+    for config in ({"microbatch_size": 2}, {"microbatch_size": 8, "tp": 2}):
+        with_fixed, without = cost(fixed, **config), cost(plain, **config)
+        assert with_fixed.forward_s == pytest.approx(0.2 + 0.8 * without.forward_s)
+        assert with_fixed.backward_s == pytest.approx(0.4 + 1.6 * without.backward_s / 2.0)
+    assert cost(fixed, microbatch_size=8, recompute=True).fixed_s == pytest.approx(0.8)  # the forward runs twice

@@ -154,3 +154,39 @@ def test_profile_cli_json(tmp_path, monkeypatch):
     assert payload["layers"][1]["count"] == 2
     assert set(payload["efficiency"]) == set(EFFICIENCY_CLASSES)
     assert any((tmp_path / "profiles").rglob("*.json"))
+
+
+def test_profile_at_two_batches_measures_each_layers_fixed_part(tiny, tmp_path):
+    recipe, state, batch, graph, layers = tiny
+    cache = TimingCache(tmp_path, jax_version=jax.__version__)
+    plain = profile_layers(recipe.train_step, state, batch, graph=graph, layers=layers, repeats=2, cache=cache)
+    assert all(t.forward_fixed_s is None for t in plain.values())
+    seen = []
+    small = recipe.batch_spec(1, 32)
+    timed = profile_layers(
+        recipe.train_step,
+        state,
+        batch,
+        graph=graph,
+        layers=layers,
+        repeats=2,
+        cache=cache,
+        progress=seen.append,
+        fixed_from=(state, small),
+    )
+    assert len(seen) == 3  # cached timings without a fixed part are measured again
+    for t in timed.values():
+        assert 0 <= t.forward_fixed_s and 0 <= t.backward_fixed_s
+        assert t.forward_fixed_s + t.backward_fixed_s > 0  # per-call costs are never nothing on a CPU
+    with pytest.raises(ValueError, match="smaller batch"):
+        profile_layers(
+            recipe.train_step, state, batch, graph=graph, layers=layers, cache=cache, fixed_from=(state, batch)
+        )
+
+
+def test_fixed_part_is_the_line_through_two_batches_at_zero():
+    from integrations.flax._profile import _intercept
+
+    assert _intercept(10.0, 4.0, 0.25) == pytest.approx(2.0)  # slope 8 per unit batch: 4 − 0.25 · 8
+    assert _intercept(10.0, 1.0, 0.25) == 0.0  # super-linear: clamped at 0
+    assert _intercept(10.0, 12.0, 0.25) == 12.0  # slower at the smaller batch: all of it is fixed

@@ -61,3 +61,26 @@ def test_self_agreement_compares_odd_rounds_with_even_ones():
     assert self_agreement([3.0, 3.0]) == 0.0
     with pytest.raises(ValueError, match="at least 2 rounds"):
         self_agreement([1.0])
+
+
+def test_a_stages_fixed_part_is_slowed_by_its_tensor_parallel_group_only():
+    import dataclasses
+
+    from integrations.flax._bench import Setup, slowed_seconds
+    from integrations.flax._parity import check_plan
+
+    host = costs(k2=1.5, k4=2.5, k8=5.0)
+
+    class Model:
+        tensor_parallel = True
+
+    su = Setup(None, None, None, Model(), "cpu", 2, None, {}, {}, host)
+    [dp8] = check_plan("DP8", global_batch=16).stages
+    [tp8] = check_plan("TP8", global_batch=16).stages
+    [dp2tp4] = check_plan("DP2xTP4", global_batch=16).stages
+    assert slowed_seconds(3.0, 1.0, dp8, su) == pytest.approx(2.0 * 5.0 + 1.0)
+    assert slowed_seconds(3.0, 1.0, tp8, su) == pytest.approx(3.0 * 5.0)
+    assert slowed_seconds(3.0, 1.0, dp2tp4, su) == pytest.approx(2.0 * 5.0 + 2.5)
+    # a model without axis names runs TP = 1: nothing is split, nothing meets
+    su_plain = dataclasses.replace(su, model=type("M", (), {"tensor_parallel": False})())
+    assert slowed_seconds(3.0, 1.0, tp8, su_plain) == pytest.approx(2.0 * 5.0 + 1.0)
