@@ -69,8 +69,8 @@ from integrations.flax._host import HostCosts, measure_host_costs, slowdown
 from integrations.flax._parity import PLAN_NAMES, check_plan, parity
 
 # the layers' fixed parts come from a second profile at batch / 4 (``profile_layers(fixed_from=...)``):
-# gpt-tiny at 16 and 4 put 8 of 9 stages within 15% in session 20's run, at 16 and 1 7 of 9 (the
-# one-sample stage was then over-predicted at 4 samples: the time per sample is not linear below 4)
+# gpt-tiny at 16 and 4 put 8 of 9 stages within 15% in a session-20 run, at 16 and 1 7 of 9 in another (the
+# head at 4 samples was then over-predicted by 31%: the time per sample is not linear below 4)
 FIXED_BATCH_DIVISOR = 4
 RANK_PLANS = ("DP1", "DP2", "DP8", "TP2", "DP4xTP2", "DP2xTP4", "2 stages (3+1) x 4 mb", "4 stages TP 1/2/4/1")
 
