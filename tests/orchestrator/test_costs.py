@@ -247,7 +247,9 @@ def test_tensor_parallelism_needs_axes():
         model.layer_cost(1, "a100", ParallelConfig(tp=2))
 
 
-def test_measured_times_are_used_on_their_device_and_scaled():
+def _local_block_timing():
+    """gpt-tiny's graph and layers on the ``local`` cluster, and a made-up timing of its first block:
+    forward 1 s, backward 2 s, optimizer 0.5 s."""
     from orchestrator.profile import LayerTiming
 
     recipe = get_recipe("gpt-tiny")
@@ -259,6 +261,12 @@ def test_measured_times_are_used_on_their_device_and_scaled():
     timing = LayerTiming(
         signature=block.signature, name=block.name, device_kind=kind, forward_s=1.0, backward_s=2.0, optimizer_s=0.5
     )
+    return graph, layers, cluster, kind, timing
+
+
+def test_measured_times_are_used_on_their_device_and_scaled():
+    graph, layers, cluster, kind, timing = _local_block_timing()
+    block = layers[1]
     model = CostModel(graph, layers, cluster, batch_size=8, measured={block.signature: timing}, measured_batch_size=8)
     cost = model.layer_cost(2, kind, ParallelConfig(microbatch_size=8))  # blocks_1 shares blocks_0's signature
     assert (cost.forward_s, cost.backward_s, cost.optimizer_s) == pytest.approx((1.0, 2.0, 0.5))
@@ -386,19 +394,10 @@ def test_program_outputs_are_apart_from_the_temporary_peak():
 
 
 def test_a_measured_fixed_part_does_not_scale_with_the_microbatch_or_tp():
-    from orchestrator.profile import LayerTiming
-
-    recipe = get_recipe("gpt-tiny")
-    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
-    layers = coarsen(graph)
-    cluster = load_cluster("local")
-    [kind] = cluster.device_types
+    graph, layers, cluster, kind, plain = _local_block_timing()
     block = layers[1]
-    plain = LayerTiming(
-        signature=block.signature, name=block.name, device_kind=kind, forward_s=1.0, backward_s=2.0, optimizer_s=0.5
-    )
     fixed = dataclasses.replace(plain, forward_fixed_s=0.2, backward_fixed_s=0.4)
-    axes = recipe.param_axes()
+    axes = get_recipe("gpt-tiny").param_axes()
 
     def cost(timing, **config):
         model = CostModel(
