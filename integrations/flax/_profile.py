@@ -15,9 +15,9 @@ forward and backward are also timed there, and the line through the two times,
 read at batch 0, is the part that does not shrink with the batch
 (``LayerTiming.forward_fixed_s``): per-call and per-op costs, which on the
 2-core development machine are 6–20% of gpt-tiny's forward and backward at
-batch 16 (a block 4–20%, the embedding 32–66%; session 20). Without it, the cost model scaled a layer linearly to the
-microbatch, and the pipeline stages at 4 samples came out 15–96% slower than
-predicted.
+batch 16 (a block 4–20%, the embedding 32–66%; session 20). Without it, the
+cost model scaled a layer linearly to the microbatch, and the pipeline stages
+at 4 samples ran 15–96% slower than predicted.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def measure_local_device(size: int = 1024, repeats: int = 9) -> tuple[float, flo
     Into a fresh output instead, the CPU faults in every page of it on each call: on the 2-core
     development machine that measured 5.6–6.8 GB/s against 62–88 GB/s donated (session 20), and
     the roofline then priced elementwise ops, which tensor parallelism repeats on every device,
-    at ten times their cost, so the tensor-parallel stages came out 28–40% slower than measured.
+    at ten times their cost, so the tensor-parallel stages were predicted 28–40% slower than they ran.
     """
     from orchestrator.profile._timing import median_seconds  # profile imports costs, which imports cluster
 
