@@ -248,20 +248,22 @@ class CostModel:
 
     def _phase_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
         modelled = self._modelled_time(index, device_type, phase, tp, microbatch)
-        timing = self.measured.get(self.layers[index].signature)
-        if timing is None or getattr(timing, "device_kind", None) != device_type:
+        timing = self._measured_on(index, device_type)
+        if timing is None:
             return modelled
         at_profile = self._modelled_time(index, device_type, phase, 1, self.measured_batch_size)
         measured = getattr(timing, f"{phase}_s")
         fixed = self._fixed_time(index, device_type, phase)
         return fixed + (measured - fixed) * (modelled / at_profile) if at_profile > 0 else measured
 
+    def _measured_on(self, index: int, device_type: str):
+        """Layer ``index``'s measured timing if it was measured on ``device_type``, else None."""
+        timing = self.measured.get(self.layers[index].signature)
+        return timing if timing is not None and getattr(timing, "device_kind", None) == device_type else None
+
     def _fixed_time(self, index: int, device_type: str, phase: str) -> float:
         """The measured part of a phase's time that does not scale (``LayerTiming.forward_fixed_s``), else 0."""
-        timing = self.measured.get(self.layers[index].signature)
-        if timing is None or getattr(timing, "device_kind", None) != device_type:
-            return 0.0
-        return getattr(timing, f"{phase}_fixed_s", None) or 0.0
+        return getattr(self._measured_on(index, device_type), f"{phase}_fixed_s", None) or 0.0
 
     def tp_allreduce_bytes(self, index: int, microbatch: int, tp: int) -> dict[str, float]:
         """Per-device operand bytes of the layer's all-reduces under tensor-parallel degree ``tp``, by phase."""
