@@ -175,9 +175,10 @@ def test_profile_at_two_batches_measures_each_layers_fixed_part(tiny, tmp_path):
         fixed_from=(state, small),
     )
     assert len(seen) == 3  # cached timings without a fixed part are measured again
-    for t in timed.values():
-        assert 0 <= t.forward_fixed_s and 0 <= t.backward_fixed_s
-        assert t.forward_fixed_s + t.backward_fixed_s > 0  # per-call costs are never nothing on a CPU
+    assert all(0 <= t.forward_fixed_s and 0 <= t.backward_fixed_s for t in timed.values())
+    # per-call costs are never nothing on a CPU; one layer's two timings can cross under the other test
+    # worker's load (a block once came out 0 and 0 in 1 of 5 parallel runs), so all layers together
+    assert sum(t.forward_fixed_s + t.backward_fixed_s for t in timed.values()) > 0
     with pytest.raises(ValueError, match="smaller batch"):
         profile_layers(
             recipe.train_step, state, batch, graph=graph, layers=layers, cache=cache, fixed_from=(state, batch)
