@@ -37,6 +37,7 @@ import functools
 import logging
 import math
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import pulp
@@ -57,6 +58,7 @@ from orchestrator.planner._groups import (
 from orchestrator.planner._ilp import MS, Run, StageModel, layer_runs, simple_bound_s, undominated
 from orchestrator.planner._migration import Migration
 from orchestrator.planner._packing import TOLERANCE, PackingBound
+from orchestrator.planner._paths import StageColumns
 from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._polish import polish
 from orchestrator.planner._table import CostTable
@@ -98,6 +100,11 @@ POLISH_SHARE = 1 / 6
 BUILD_S_PER_CELL = 1e-4
 # what building the plan after the search takes at most: 30–40 ms on GPT-175B's 16 stages
 FINISH_S = 0.1
+# the whole-stage bounds (``_paths``) get at most this share of the time left after the local search
+COLUMN_SHARE = 0.85
+# each stage count's whole-stage MIP (``_paths``), where its LP left the piece open, gets a fair share of
+# the time left, and at least this long (GPT-175B × mixed-4type-512 at M = 128, 16 stages: 3.6 s)
+COLUMN_MIP_S = 1.0
 # each M's whole-model LP relaxation gets at most this long: the bound of its pieces never reached
 # (gpt-13b × mixed-4type-64: 70.2 s against the 32.0 s capacity bound, 0.7–2.5 s per M)
 RELAXATION_S = 2.0
@@ -366,6 +373,83 @@ def _packing_search(search: PackingBound, above_s: float, cutoff_s: float, best,
     if bound == math.inf and best:  # (with no incumbent, +inf means no plan of this M fits)
         return cutoff_s
     return bound
+
+
+def _column_bounds(
+    space: SearchSpace, candidates, max_stages: int, schedule: str, best, *, gap: float, deadline: float
+) -> dict[int, dict[int, float]]:
+    """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff
+    (``_cutoff_ms``), which closes the piece: the LP of every (M, S), the incumbent's M and its
+    neighbours first, then, where an LP leaves its (M, S) more than ``gap`` below the incumbent
+    ``best``, its MIP (after every LP, weakest first; a fair share of the time left, at least
+    ``COLUMN_MIP_S``), all on ``default_workers()`` threads (highspy releases the GIL). Solves
+    ``deadline`` stops leave their (M, S) out (LP) or at the LP's bound (MIP).
+
+    On gpt2-small × ``mixed-4type-64`` the LPs closed all but 7 of the 98 pieces of M = 1–64 in under
+    2 s and the MIPs 4 of those 7; its ILP pieces had taken 93 s to close them all (session 21)."""
+    found: dict[int, dict[int, float]] = {M: {} for M in candidates}
+    if not highs_available():
+        return found
+    cutoff_s = _cutoff_ms(best, gap) / MS if best else math.inf
+    columns: dict[int, StageColumns] = {}
+    for M in candidates:
+        groups = [g for g in space.groups if space.table.microbatch(g, M) is not None]
+        if not groups:  # no group divides the microbatch: no plan of this M
+            found[M] = dict.fromkeys(range(1, max_stages + 1), math.inf)
+            continue
+        columns[M] = StageColumns(
+            space.runs, groups, space.table, space.infos, microbatches=M, schedule=schedule, links=space.links
+        )
+    log.debug("column tables of %d M built", len(columns))
+    near = best[4] if best else max(candidates, default=1)
+    order = sorted(columns, key=lambda M: abs(math.log2(M / near)))
+    workers = default_workers()
+    pool = ThreadPoolExecutor(workers)
+    lps = [
+        ("lp", M, S, functools.partial(columns[M].bound_s, S, cutoff_s=cutoff_s))
+        for M in order
+        for S in range(1, max_stages + 1)
+    ]
+    try:
+        for _, M, S, bound in _on_threads(pool, workers, lps, deadline):
+            found[M][S] = bound
+        opened = sorted((b, M, S) for M, bounds in found.items() for S, b in bounds.items() if b < cutoff_s)
+        log.debug("column LPs done: %d (M, S) open", len(opened))
+        mips: list = []
+
+        def mip(M: int, S: int) -> float:
+            left = deadline - time.perf_counter()
+            share = left * workers / (len(mips) + 1)  # (the MIPs still waiting, and this one)
+            return columns[M].integer_bound_s(S, cutoff_s=cutoff_s, time_limit_s=min(left, max(COLUMN_MIP_S, share)))
+
+        if best is not None:  # (without an incumbent there is no cutoff to prove)
+            mips += [("mip", M, S, functools.partial(mip, M, S)) for _, M, S in opened]
+        for _, M, S, bound in _on_threads(pool, workers, mips, deadline):
+            found[M][S] = max(found[M][S], bound)
+    finally:
+        pool.shutdown(wait=False)  # a solve still running past the deadline ends at its own time limit
+    log.debug("column bounds: %d (M, S) of %d left open by their LP", len(opened), sum(map(len, found.values())))
+    for M, bounds in found.items():
+        log.debug(
+            "M=%d: column bounds %s ms",
+            M,
+            ", ".join(f"{S}: {'closed' if b >= cutoff_s else f'{b * MS:.6g}'}" for S, b in sorted(bounds.items())),
+        )
+    return found
+
+
+def _on_threads(pool: ThreadPoolExecutor, workers: int, jobs: list, deadline: float):
+    """Run the (kind, M, S, job) of ``jobs``, first first, at most one per worker at once, yielding
+    (kind, M, S, job()) as each ends, until ``deadline``; the caller may add jobs between yields."""
+    running = {}
+    while (jobs or running) and (left := deadline - time.perf_counter()) > 0:
+        while jobs and len(running) < workers:
+            kind, M, S, job = jobs.pop(0)
+            running[pool.submit(job)] = (kind, M, S)
+        done, _ = wait(running, timeout=left, return_when=FIRST_COMPLETED)
+        for future in done:
+            kind, M, S = running.pop(future)
+            yield kind, M, S, future.result()
 
 
 @dataclass(slots=True)
@@ -714,15 +798,29 @@ def plan(
     # each M's packing bound, in at most 9/10 of the time left (it needs them only where the ILP's
     # own pieces would not finish either: GPT-175B, 1.5 s per M; with ¾, its M = 64 stopped at
     # 420.6 s instead of 472.1 s once the local search took its share, session 17)
-    packing = _packing_bounds(
+    # whole stages as columns, for every M and S, in at most COLUMN_SHARE of the time left: most pieces close here
+    found_columns = _column_bounds(
         space,
         candidates,
         max_stages,
         schedule,
         best,
         gap=gap,
+        deadline=time.perf_counter() + COLUMN_SHARE * (time_limit_s - (time.perf_counter() - started)),
+    )
+    # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
+    # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
+    complete = {M: min(b.values()) for M, b in found_columns.items() if len(b) == max_stages}
+    packing = _packing_bounds(
+        space,
+        [M for M in candidates if M not in complete],
+        max_stages,
+        schedule,
+        best,
+        gap=gap,
         deadline=time.perf_counter() + 0.9 * (time_limit_s - (time.perf_counter() - started)),
     )
+    packing.update(complete)
     # each M's model and its pieces, one per stage count (the CBC fallback solves the model whole)
     pieces: list[_Piece] = []
     # how long the last model took to build; before the first, an estimate from its size (0.5–1.3 s
@@ -743,6 +841,7 @@ def plan(
             if best is None:
                 unproven.append(M)
             continue
+        columns = found_columns.get(M, {})
         building = time.perf_counter()
         sub = StageModel(
             runs=space.runs,
@@ -782,8 +881,17 @@ def plan(
         tail = min(TAIL_FROM, sub.J)  # stage counts from here on start as one piece
         sessions = [session]
         # a piece of S stages starts from its link bound where that is higher (it grows with S)
-        built = [_Piece(sub, sessions, S, bound_s=max(floor, sub.link_bound_s(S))) for S in range(1, tail)]
-        built.append(_Piece(sub, sessions, tail, bound_s=max(floor, sub.link_bound_s(tail)), most=sub.J))
+        if len(columns) == sub.J:  # one piece per stage count, each from its column bound
+            built = [
+                _Piece(sub, sessions, S, bound_s=max(floor, sub.link_bound_s(S), columns[S]))
+                for S in range(1, sub.J + 1)
+            ]
+        else:
+            built = [
+                _Piece(sub, sessions, S, bound_s=max(floor, sub.link_bound_s(S), columns.get(S, 0.0)))
+                for S in range(1, tail)
+            ]
+            built.append(_Piece(sub, sessions, tail, bound_s=max(floor, sub.link_bound_s(tail)), most=sub.J))
         if M in one_stage_s and built[0].last == 1:  # its one-stage piece is solved already, by enumeration
             built[0].bound_s, built[0].done = max(built[0].bound_s, one_stage_s[M]), True
         pieces += built

@@ -1,0 +1,375 @@
+"""A lower bound on the step time of the plans with exactly S stages, from whole stages as columns.
+
+The ILP (``_ilp``) and the packing bound (``_packing``) price a stage by summing its layers'
+costs over fractions of groups, and their LP relaxations let one stage take a fraction of a big,
+fast group. Here every column is a whole stage: a group g and the layers it holds, priced
+exactly — its time, memory (whole layers, the in-flight activations of its position) and
+devices. The LP then only mixes whole stages, which is far tighter: on gpt2-small ×
+``mixed-4type-64`` at M = 8, where the packing bound is 87.1 ms against the optimum 102.4 ms
+(one stage, M = 1), it proves every S from 7 to 14 above the optimum in 0.1–0.4 s each, pieces the
+ILP took 4–12 s each to close (session 21).
+
+A stage's layers are a contiguous slice of the chain of runs (``_ilp.Run``: identical layers in
+a row), so it is known by what it takes of each run — a *shape*: k layers inside one run, or
+the last k₁ layers of run r₁, every run between, and the first k₂ of run r₂. Positions
+p = 0..S−1 count from the end of the pipeline (k_p = min(M, p + 1) microbatches in flight under
+1F1B, M under GPipe). For shape v on group g, per microbatch: c[v,g] time (forward, backward,
+recompute, TP all-reduces), f[v,g] its forward part, b = c − f, e[v,g] gradient sync and optimizer
+step. Column x[p,v,g] ∈ [0,1] exists where v fits g's memory at position p (every part q of a
+mixed group: Σ σ + k_p·Σ α + max ρ ≤ mem_q, over the layers of v) and M·c[v,g] is below the
+cutoff (a stage that slow makes the step slower than the incumbent). The first stage's shapes
+start at layer 0, the last stage's end at the last layer:
+
+    Σ_{v,g} x[p,v,g] = 1                             one stage at each position
+    Σ_{p,v,g} n_r(v)·x[p,v,g] = n_r                  every layer of run r placed once
+    Σ_{p,v,g} size_t(g)·x[p,v,g] ≤ N_t               devices of each type
+    C_p = Σ c·x[p,·],  F_p = Σ f·x[p,·],  E_p = Σ e·x[p,·]   (B_p = C_p − F_p)
+
+and Z ≥ each row below, the rows of the packing bound (``_packing``) with one position per
+bucket, so each a lower bound of the closed form (``_closed_form``) of every plan of S stages:
+π the cheapest one-way transfer any boundary can have, d_p = k_p − 1 under 1F1B (0 under GPipe):
+
+    Z ≥ Σ_{p′>p} C_p′ + M·C_p + 2π·(S−1−p)                                   fill ahead of p
+    Z ≥ Σ_{p′} C_p′ + (M−1)·C_p − d_p·F_p + 2π·(S−1)                         the whole round trip
+    Z ≥ Σ_{p′>p} F_p′ + M·C_p − B_p + E_p + π·(S−1−p) [+ b_last]              tail after the drain
+    Z ≥ Σ_{p′>p} F_p′ + Σ_{p′<p} C_p′ + M·C_p − B_p + E_p − d_p·F_p + π·(S−1−p) + 2π·p [+ b_last]
+    Z ≥ Σ_{p′>p} C_p′ + (q+1)·(Σ_{p′≤p} C_p′ + 2π·p) + r·B_p + 2π·(S−1−p)      1F1B's in-flight cycle,
+                                                                               M − 1 = q·(p+1) + r
+    Z ≥ Σ_{p′} C_p′ + (M−1)·b₀ + e₀ + 2π·(S−1)                                the first layer's sync
+                                                                               (its own run only)
+
+(b_last: the last layer's backward on position 0's group; b₀, e₀: the first layer's backward,
+sync and optimizer on position S−1's group.) Every plan of S stages whose stages are each at
+most the cutoff / M gives a point of this LP with Z its step time, so the least Z bounds it; a
+plan with a slower stage is above the cutoff. The bound is therefore min(LP, cutoff) — and the
+cutoff itself, closing the piece, when the LP is infeasible or reaches it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from orchestrator.planner._groups import GroupConfig, TypeInfo
+from orchestrator.planner._ilp import MS, Run, cheapest_transfer_s, in_flight
+from orchestrator.planner._table import CostTable
+
+# the bisection on the bottleneck stops when its bracket is this close (relative), or after PROBES solves
+TOLERANCE = 1e-3
+PROBES = 12
+
+
+def stage_shapes(runs: Sequence[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every contiguous slice of the chain of ``runs`` by what it takes of each run:
+    (counts[v, r], starts[v], ends[v]) — whether slice v can start at the first layer, and end at
+    the last."""
+    R = len(runs)
+    counts, starts, ends = [], [], []
+    for r1 in range(R):
+        for k1 in range(1, runs[r1].count + 1):  # k1 layers inside run r1
+            row = np.zeros(R, dtype=np.int64)
+            row[r1] = k1
+            counts.append(row)
+            starts.append(r1 == 0)
+            ends.append(r1 == R - 1)
+        for r2 in range(r1 + 1, R):  # the last k1 of r1, every run between, the first k2 of r2
+            for k1 in range(1, runs[r1].count + 1):
+                for k2 in range(1, runs[r2].count + 1):
+                    row = np.array([run.count for run in runs], dtype=np.int64)
+                    row[:r1] = 0
+                    row[r2 + 1 :] = 0
+                    row[r1], row[r2] = k1, k2
+                    counts.append(row)
+                    starts.append(r1 == 0 and k1 == runs[0].count)
+                    ends.append(r2 == R - 1 and k2 == runs[-1].count)
+    return np.array(counts, dtype=np.int64).reshape(-1, R), np.array(starts), np.array(ends)
+
+
+class StageColumns:
+    """The LP above for one microbatch count, any stage count: shapes × groups priced once."""
+
+    def __init__(
+        self,
+        runs: list[Run],
+        groups: list[GroupConfig],
+        table: CostTable,
+        infos: dict[str, TypeInfo],
+        *,
+        microbatches: int,
+        schedule: str,
+        links=None,
+    ):
+        self.runs, self.groups, self.infos, self.M, self.schedule = runs, groups, infos, microbatches, schedule
+        self.transfer_ms = MS * cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0
+        self.counts, self.starts, self.ends = stage_shapes(runs)
+        entries = [[table.entry(run.first, g, microbatches) for g in groups] for run in runs]
+
+        def per_run(field: str) -> np.ndarray:  # [r, g]
+            return np.array([[getattr(e, field) for e in row] for row in entries], dtype=float).reshape(
+                len(runs), len(groups)
+            )
+
+        time, forward = MS * per_run("time_s"), MS * per_run("forward_s")
+        after = MS * (per_run("dp_sync_s") + per_run("optimizer_s"))
+        n = self.counts.astype(float)
+        self.time, self.forward, self.after = n @ time, n @ forward, n @ after  # [v, g]
+        self.last_backward = time[-1] - forward[-1] if runs else np.zeros(len(groups))  # [g]
+        # the first layer's sync after its stage's drain (a row only when it is a run of its own)
+        self.first_tail = (
+            (microbatches - 1) * (time[0] - forward[0]) + after[0] if runs and runs[0].count == 1 else None
+        )
+        self.most_in_flight = self._most_in_flight(table)  # [v, g]
+        self.sizes = {
+            t: np.array([float(g.by_type.get(t, 0)) for g in groups])
+            for t in infos
+            if any(t in g.by_type for g in groups)
+        }
+        self.beaten_by = self._dominance()
+        self._undominated: dict[bytes, np.ndarray] = {}  # the last mask asked for, and its answer
+
+    def _dominance(self):
+        """(g, g′, beaten[v, pair]) over the pairs of groups where g′ takes no more devices of any type
+        than g: on shape v, g′ is as good as g in every row (forward, backward, sync and optimizer,
+        the last layer's backward, the first layer's tail) and better in one, or equal with g′ < g.
+        Every step row grows with each of these (the −d·F and −r·F terms come with at least as much
+        C = F + B), so a plan with g at some position is no better than the same plan with g′ there,
+        wherever g′ fits: g's column can go."""
+        G = len(self.groups)
+        extra = [self.last_backward] + ([self.first_tail] if self.first_tail is not None else [])
+        fewer = np.ones((G, G), dtype=bool)  # [g, g′]
+        for a in [*self.sizes.values(), *extra]:
+            fewer &= a[None, :] <= a[:, None] + 1e-12 * np.abs(a[:, None])
+        np.fill_diagonal(fewer, False)
+        g, g2 = np.nonzero(fewer)
+        backward = self.time - self.forward
+        no_worse = np.ones((len(self.counts), len(g)), dtype=bool)
+        better = np.zeros_like(no_worse)
+        for a in [self.forward, backward, self.after]:
+            no_worse &= a[:, g2] <= a[:, g] + 1e-12 * np.abs(a[:, g])
+            better |= a[:, g2] < a[:, g] - 1e-12 * np.abs(a[:, g])
+        for a in [*self.sizes.values(), *extra]:
+            better |= (a[g2] < a[g] - 1e-12 * np.abs(a[g]))[None, :]
+        beaten = no_worse & (better | (g2 < g)[None, :])
+        from scipy.sparse import csr_matrix
+
+        onto = csr_matrix((np.ones(len(g)), (np.arange(len(g)), g)), shape=(len(g), G))  # pair → its g
+        return g2, beaten, onto
+
+    def undominated(self, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` [v, g] less the columns another allowed column of the same shape beats."""
+        key = allowed.tobytes()
+        if key not in self._undominated:
+            g2, beaten, onto = self.beaten_by
+            hit = (beaten & allowed[:, g2]).astype(np.float64)
+            self._undominated = {key: allowed & ~np.asarray((onto.T @ hit.T).T > 0)}
+        return self._undominated[key].copy()
+
+    def _most_in_flight(self, table: CostTable) -> np.ndarray:
+        """[v, g]: the most microbatches in flight with which shape v fits group g (−1: none)."""
+        V, G = len(self.counts), len(self.groups)
+        most = np.full((V, G), np.inf)
+        holds = self.counts > 0  # [v, r]
+        for g, group in enumerate(self.groups):
+            per_run = [table.memory_parts(run.first, group, self.M) for run in self.runs]
+            for q, (memory, _) in enumerate(per_run[0]):
+                static = np.array([parts[q][1].static_bytes for parts in per_run])
+                activation = np.array([parts[q][1].activation_bytes for parts in per_run])
+                transient = np.array([parts[q][1].transient_bytes for parts in per_run])
+                free = memory - self.counts @ static - np.where(holds, transient, -np.inf).max(axis=1)
+                kept = self.counts @ activation
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    k = np.where(
+                        kept > 0, np.floor(free / np.where(kept > 0, kept, 1.0)), np.where(free >= 0, np.inf, -1)
+                    )
+                most[:, g] = np.minimum(most[:, g], np.where(free >= 0, k, -1))
+        return most
+
+    def bound_s(self, stages: int, *, cutoff_s: float = math.inf, probes: int = PROBES) -> float:
+        """A lower bound (s) on the step of every plan of exactly ``stages`` stages, at most the
+        cutoff (+inf when no plan of that many stages fits, which only shows without a cutoff).
+
+        A plan whose slowest stage computes more than T per microbatch takes more than M·T, and
+        one whose stages all compute within T takes at least Z(T), the LP with the slower columns
+        closed. So min(M·T, Z(T)) bounds every plan, for every T; Z falls as T grows, and a
+        bisection of at most ``probes`` solves looks for the crossing."""
+        M, cutoff_ms = self.M, cutoff_s * MS
+        lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
+        hi = cutoff_ms / M if math.isfinite(cutoff_ms) else float(lp.stage_ms.max(initial=0.0))
+        z_hi = lp.least_step_ms(hi)
+        if z_hi >= cutoff_ms:
+            return cutoff_s if math.isfinite(cutoff_ms) else math.inf
+        best = z_hi  # (every plan has its stages within hi, or is above the cutoff)
+        lo = best / M  # below it, M·T ≤ best: nothing to gain
+        for _ in range(probes):
+            if hi - lo <= TOLERANCE * hi:
+                break
+            mid = (lo + hi) / 2
+            z = lp.least_step_ms(mid)
+            if z >= M * mid:  # the crossing lies above mid: min(M·T, Z(T)) ≥ M·mid there
+                best, lo = max(best, M * mid), mid
+            else:
+                best, hi = max(best, z), mid
+        return min(best, cutoff_ms) / MS
+
+    def integer_bound_s(self, stages: int, *, cutoff_s: float, time_limit_s: float) -> float:
+        """The same bound with whole columns only (each position one shape on one group): a MIP, far
+        tighter where the LP mixes stages (gpt2-small × ``mixed-4type-64`` at M = 8: the LP's
+        93.0–98.9 ms for 3–6 stages, the MIP's proof that none is below the cutoff 101.3 ms in
+        0.2–0.8 s each, session 21). At most the cutoff; within ``time_limit_s``."""
+        import highspy
+
+        cutoff_ms = cutoff_s * MS
+        lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
+        if lp.empty:
+            return cutoff_s if math.isfinite(cutoff_ms) else math.inf
+        X = len(lp.position)
+        kind = np.full(X, highspy.HighsVarType.kInteger)
+        lp.highs.changeColsIntegrality(X, np.arange(X, dtype=np.int32), kind)
+        lp.highs.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+        lp.highs.setOptionValue("mip_rel_gap", TOLERANCE)
+        if math.isfinite(cutoff_ms):
+            lp.highs.setOptionValue("objective_bound", cutoff_ms)
+        lp.highs.run()
+        status = lp.highs.getModelStatus()
+        info = lp.highs.getInfo()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return cutoff_s if math.isfinite(cutoff_ms) else math.inf
+        if status == highspy.HighsModelStatus.kOptimal:
+            found = info.objective_function_value
+        else:  # stopped: its dual bound, if it has one
+            found = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else 0.0
+        return min(max(found, 0.0), cutoff_ms) / MS
+
+
+class _PositionsLP:
+    """The LP of :class:`StageColumns` for one stage count, in HiGHS."""
+
+    def __init__(self, columns: StageColumns, stages: int, *, cutoff_ms: float):
+        self.c, self.S = columns, stages
+        M, S = columns.M, stages
+        slow_enough = M * columns.time < cutoff_ms  # [v, g]
+        cells = []  # (position, shape, group) of every column
+        for p in range(S):
+            k = in_flight(columns.schedule, M, S, S - 1 - p)
+            allowed = slow_enough & (columns.most_in_flight >= k)
+            allowed = columns.undominated(allowed)
+            if p == S - 1:
+                allowed &= columns.starts[:, None]
+            if p == 0:
+                allowed &= columns.ends[:, None]
+            v, g = np.nonzero(allowed)
+            cells.append((np.full(len(v), p), v, g))
+        self.position = np.concatenate([c[0] for c in cells])
+        self.shape = np.concatenate([c[1] for c in cells])
+        self.group = np.concatenate([c[2] for c in cells])
+        self.stage_ms = columns.time[self.shape, self.group]
+        self.empty = any(not np.any(self.position == p) for p in range(S))
+        self.highs = None if self.empty else self._load()
+        self.limit_ms = math.inf  # the stage time above which columns are closed now
+
+    def _load(self):
+        import highspy
+
+        from orchestrator.solver._highs import _banner_to_stderr
+
+        c, S, M = self.c, self.S, self.c.M
+        X = len(self.position)
+        pos, shape, group = self.position, self.shape, self.group
+        time, forward, after = c.time[shape, group], c.forward[shape, group], c.after[shape, group]
+        # columns: x (X), then C_p, F_p, E_p (S each), then Z
+        C, F, E, Z = X, X + S, X + 2 * S, X + 3 * S
+        n_columns = Z + 1
+        rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
+        x = np.arange(X)
+        for p in range(S):
+            mine = x[pos == p]
+            rows.append((mine, np.ones(len(mine)), 1.0, 1.0))
+            for column, weights in ((C + p, time), (F + p, forward), (E + p, after)):
+                rows.append((np.r_[mine, column], np.r_[weights[mine], -1.0], 0.0, 0.0))
+        for r, run in enumerate(c.runs):
+            counts = c.counts[shape, r].astype(float)
+            held = counts > 0
+            rows.append((x[held], counts[held], float(run.count), float(run.count)))
+        for t, sizes in c.sizes.items():
+            size = sizes[group]
+            used = size > 0
+            rows.append((x[used], size[used], -math.inf, float(c.infos[t].devices)))
+        pi = c.transfer_ms
+        last_backward = np.where(pos == 0, c.last_backward[group], 0.0)  # on position 0's group
+
+        def step_row(weights: dict[int, float], constant: float, extra: np.ndarray | None = None) -> None:
+            """Z ≥ Σ weight·column + Σ extra·x + constant."""
+            cols = np.array(list(weights), dtype=np.int64)
+            vals = -np.array(list(weights.values()), dtype=float)
+            if extra is not None and np.any(extra):
+                used = extra != 0
+                cols, vals = np.r_[cols, x[used]], np.r_[vals, -extra[used]]
+            rows.append((np.r_[cols, Z], np.r_[vals, 1.0], constant, math.inf))
+
+        for p in range(S):
+            K = in_flight(c.schedule, M, S, S - 1 - p)
+            d = 0 if c.schedule == "gpipe" else K - 1
+            up, down = range(p + 1, S), range(p)
+            # fill ahead of p
+            step_row({**{C + q: 1.0 for q in up}, C + p: float(M)}, 2 * pi * (S - 1 - p))
+            # the whole round trip
+            w = {C + q: 1.0 for q in range(S)}
+            w[C + p] += M - 1
+            step_row({**w, F + p: -float(d)}, 2 * pi * (S - 1))
+            # the tail after the drain: upstream forwards, then M·C − B + E = (M−1)·C + F + E
+            tail = {**{F + q: 1.0 for q in up}, C + p: float(M - 1), F + p: 1.0, E + p: 1.0}
+            step_row(tail, pi * (S - 1 - p), last_backward if p == 0 else None)
+            whole = {**tail, **{C + q: 1.0 for q in down}}
+            whole[F + p] = 1.0 - d
+            step_row(whole, pi * (S - 1 - p) + 2 * pi * p, last_backward if p == 0 else None)
+            if c.schedule != "gpipe":  # the in-flight cycle, K = p + 1
+                q, r = divmod(M - 1, p + 1)
+                cycle = {**{C + s: 1.0 for s in up}, **{C + s: float(q + 1) for s in down}}
+                cycle[C + p] = float(q + 1 + r)
+                cycle[F + p] = -float(r)  # r·B_p = r·(C_p − F_p)
+                step_row(cycle, 2 * pi * (S - 1 - p) + (q + 1) * 2 * pi * p)
+        if c.first_tail is not None:
+            first = np.where(pos == S - 1, c.first_tail[group], 0.0)
+            step_row({C + q: 1.0 for q in range(S)}, 2 * pi * (S - 1), first)
+
+        inf = highspy.kHighsInf
+        with _banner_to_stderr():
+            highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
+        highs.setOptionValue("threads", 1)
+        cost = np.zeros(n_columns)
+        cost[Z] = 1.0
+        upper = np.r_[np.ones(X), np.full(3 * S + 1, inf)]
+        empty = np.zeros(0, dtype=np.int32)
+        highs.addCols(n_columns, cost, np.zeros(n_columns), upper, 0, empty, empty, [])
+        starts = np.cumsum([0] + [len(cols) for cols, *_ in rows[:-1]]).astype(np.int32)
+        highs.addRows(
+            len(rows),
+            np.array([max(lo, -inf) for *_, lo, _ in rows]),
+            np.array([min(hi, inf) for *_, hi in rows]),
+            int(sum(len(cols) for cols, *_ in rows)),
+            starts,
+            np.concatenate([cols for cols, *_ in rows]).astype(np.int32),
+            np.concatenate([vals for _, vals, *_ in rows]).astype(np.float64),
+        )
+        return highs
+
+    def least_step_ms(self, within_ms: float = math.inf) -> float:
+        """The LP's least Z (ms) with every stage computing within ``within_ms`` per microbatch:
+        +inf when it is infeasible, 0 when HiGHS ends undecided."""
+        import highspy
+
+        if self.empty:
+            return math.inf
+        X = len(self.position)
+        upper = np.where(self.stage_ms <= within_ms, 1.0, 0.0)
+        self.highs.changeColsBounds(X, np.arange(X, dtype=np.int32), np.zeros(X), upper)
+        self.highs.run()
+        status = self.highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return math.inf
+        if status != highspy.HighsModelStatus.kOptimal:
+            return 0.0
+        return self.highs.getInfo().objective_function_value
