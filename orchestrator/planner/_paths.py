@@ -59,6 +59,10 @@ from orchestrator.planner._table import CostTable
 # the bisection on the bottleneck stops when its bracket is this close (relative), or after PROBES solves
 TOLERANCE = 1e-3
 PROBES = 12
+# MIP_PRESOLVE: the MIPs run without presolve. Measured one at a time (session 21): gpt-13b ×
+# mixed-4type-64's 8 open pieces at M = 128 and 256 took 22.5 s with it and 9.0 s without, gpt-1.3b ×
+# mixed-4type-64's M = 16 at 4 and 5 stages 7.2 and 8.5 s against 1.8 and 3.9 s; GPT-175B's 10 open
+# pieces went the other way, 6.9 s against 11.0 s.
 
 
 def stage_shapes(runs: Sequence[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -213,34 +217,63 @@ class StageColumns:
                 best, hi = max(best, z), mid
         return min(best, cutoff_ms) / MS
 
-    def integer_bound_s(self, stages: int, *, cutoff_s: float, time_limit_s: float) -> float:
+    def integer_bound_s(self, stages: int, *, cutoff_s: float, time_limit_s: float) -> tuple[float, list | None]:
         """The same bound with whole columns only (each position one shape on one group): a MIP, far
         tighter where the LP mixes stages (gpt2-small × ``mixed-4type-64`` at M = 8: the LP's
         93.0–98.9 ms for 3–6 stages, the MIP's proof that none is below the cutoff 101.3 ms in
-        0.2–0.8 s each, session 21). At most the cutoff; within ``time_limit_s``."""
+        0.2–0.8 s each, session 21). Returns (the bound, at most the cutoff; the best solution's
+        stages in pipeline order as (layers, group), or None when it has none or its shapes do not
+        chain — see :meth:`chain`), within ``time_limit_s``."""
         import highspy
 
         cutoff_ms = cutoff_s * MS
         lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
         if lp.empty:
-            return cutoff_s if math.isfinite(cutoff_ms) else math.inf
+            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None
         X = len(lp.position)
         kind = np.full(X, highspy.HighsVarType.kInteger)
         lp.highs.changeColsIntegrality(X, np.arange(X, dtype=np.int32), kind)
         lp.highs.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
         lp.highs.setOptionValue("mip_rel_gap", TOLERANCE)
+        lp.highs.setOptionValue("presolve", "off")  # (see MIP_PRESOLVE)
         if math.isfinite(cutoff_ms):
             lp.highs.setOptionValue("objective_bound", cutoff_ms)
         lp.highs.run()
         status = lp.highs.getModelStatus()
         info = lp.highs.getInfo()
         if status == highspy.HighsModelStatus.kInfeasible:
-            return cutoff_s if math.isfinite(cutoff_ms) else math.inf
+            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None
         if status == highspy.HighsModelStatus.kOptimal:
             found = info.objective_function_value
         else:  # stopped: its dual bound, if it has one
             found = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else 0.0
-        return min(max(found, 0.0), cutoff_ms) / MS
+        chosen = None
+        if info.primal_solution_status == 2:  # a solution: the column at each position, first stage first
+            values = np.asarray(lp.highs.getSolution().col_value[:X])
+            picked = {int(lp.position[i]): (int(lp.shape[i]), int(lp.group[i])) for i in np.nonzero(values > 0.5)[0]}
+            if len(picked) == stages:
+                chosen = self.chain([picked[p] for p in reversed(range(stages))])
+        return min(max(found, 0.0), cutoff_ms) / MS, chosen
+
+    def chain(self, columns: list[tuple[int, int]]) -> list[tuple[list[int], GroupConfig]] | None:
+        """(layers, group) of each (shape, group) in pipeline order, the shapes laid end to end from
+        layer 0; None when they do not make the chain (the LP counts each run's layers, not where
+        they sit, so its stages may not fit together)."""
+        out, at = [], 0
+        for shape, group in columns:
+            layers = []
+            for r, run in enumerate(self.runs):
+                k = int(self.counts[shape, r])
+                if not k:
+                    continue
+                if not run.first <= at < run.first + run.count or at + k > run.first + run.count:
+                    return None
+                if layers and at != run.first:  # a slice continues into run r only from its start
+                    return None
+                layers += range(at, at + k)
+                at += k
+            out.append((layers, self.groups[group]))
+        return out if at == sum(run.count for run in self.runs) else None
 
 
 class _PositionsLP:

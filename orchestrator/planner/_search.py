@@ -377,19 +377,21 @@ def _packing_search(search: PackingBound, above_s: float, cutoff_s: float, best,
 
 def _column_bounds(
     space: SearchSpace, candidates, max_stages: int, schedule: str, best, *, gap: float, deadline: float
-) -> dict[int, dict[int, float]]:
-    """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff
+) -> tuple[dict[int, dict[int, float]], list[tuple[list[list[int]], list[GroupConfig], int]]]:
+    """({M: {S: bound (s)}}, plans) from whole stages as columns (``_paths``), each bound at most the cutoff
     (``_cutoff_ms``), which closes the piece: the LP of every (M, S), the incumbent's M and its
     neighbours first, then, where an LP leaves its (M, S) more than ``gap`` below the incumbent
     ``best``, its MIP (after every LP, weakest first; a fair share of the time left, at least
     ``COLUMN_MIP_S``), all on ``default_workers()`` threads (highspy releases the GIL). Solves
-    ``deadline`` stops leave their (M, S) out (LP) or at the LP's bound (MIP).
+    ``deadline`` stops leave their (M, S) out (LP) or at the LP's bound (MIP). ``plans``: the MIPs'
+    solutions below the cutoff whose stages chain, as (stages, groups, M) — candidates for the
+    incumbent (the MIP prices a relaxation, so each must still be evaluated).
 
     On gpt2-small × ``mixed-4type-64`` the LPs closed all but 7 of the 98 pieces of M = 1–64 in under
     2 s and the MIPs 4 of those 7; its ILP pieces had taken 93 s to close them all (session 21)."""
     found: dict[int, dict[int, float]] = {M: {} for M in candidates}
     if not highs_available():
-        return found
+        return found, []
     cutoff_s = _cutoff_ms(best, gap) / MS if best else math.inf
     columns: dict[int, StageColumns] = {}
     for M in candidates:
@@ -405,6 +407,7 @@ def _column_bounds(
     order = sorted(columns, key=lambda M: abs(math.log2(M / near)))
     workers = default_workers()
     pool = ThreadPoolExecutor(workers)
+    plans: list[tuple[list[list[int]], list[GroupConfig], int]] = []
     lps = [
         ("lp", M, S, functools.partial(columns[M].bound_s, S, cutoff_s=cutoff_s))
         for M in order
@@ -424,8 +427,10 @@ def _column_bounds(
 
         if best is not None:  # (without an incumbent there is no cutoff to prove)
             mips += [("mip", M, S, functools.partial(mip, M, S)) for _, M, S in opened]
-        for _, M, S, bound in _on_threads(pool, workers, mips, deadline):
+        for _, M, S, (bound, chosen) in _on_threads(pool, workers, mips, deadline):
             found[M][S] = max(found[M][S], bound)
+            if chosen is not None:
+                plans.append(([layers for layers, _ in chosen], [group for _, group in chosen], M))
     finally:
         pool.shutdown(wait=False)  # a solve still running past the deadline ends at its own time limit
     log.debug("column bounds: %d (M, S) of %d left open by their LP", len(opened), sum(map(len, found.values())))
@@ -435,7 +440,7 @@ def _column_bounds(
             M,
             ", ".join(f"{S}: {'closed' if b >= cutoff_s else f'{b * MS:.6g}'}" for S, b in sorted(bounds.items())),
         )
-    return found
+    return found, plans
 
 
 def _on_threads(pool: ThreadPoolExecutor, workers: int, jobs: list, deadline: float):
@@ -799,7 +804,7 @@ def plan(
     # own pieces would not finish either: GPT-175B, 1.5 s per M; with ¾, its M = 64 stopped at
     # 420.6 s instead of 472.1 s once the local search took its share, session 17)
     # whole stages as columns, for every M and S, in at most COLUMN_SHARE of the time left: most pieces close here
-    found_columns = _column_bounds(
+    found_columns, column_plans = _column_bounds(
         space,
         candidates,
         max_stages,
@@ -808,6 +813,11 @@ def plan(
         gap=gap,
         deadline=time.perf_counter() + COLUMN_SHARE * (time_limit_s - (time.perf_counter() - started)),
     )
+    for stages, groups, M in column_plans:  # the MIPs' solutions, priced by the closed form
+        ev = evaluate(stages, groups, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
+        if ev.feasible and (best is None or score(ev, stages, groups) < best[0]):
+            best = (score(ev, stages, groups), ev, stages, groups, M)
+            log.debug("column start: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, M, len(stages))
     # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
     # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
     complete = {M: min(b.values()) for M, b in found_columns.items() if len(b) == max_stages}
