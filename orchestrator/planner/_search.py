@@ -9,8 +9,12 @@ the pieces of one M in its HiGHS sessions, up to one solve per core at once
 1. the balanced heuristic and the baselines give a first incumbent (in at most a third of the
    time), which a local search (``_polish``) improves (in at most ``POLISH_SHARE`` more, and
    by half the time);
-2. every M's packing bound (``_packing``, at most 9/10 of the time left) drops the
-   M that cannot beat the incumbent (on GPT-175B all but two of nine); every other
+2. every (M, S) piece gets a bound from whole stages as columns (``_paths``: an LP, then a MIP
+   where the LP leaves it open, in at most ``COLUMN_SHARE`` of the time left; a MIP solution whose
+   stages chain may become the incumbent), which closes most pieces before any ILP is built (an M
+   whose pieces all close is done); every M not bounded for every S gets its packing bound
+   (``_packing``, at most 9/10 of the time left), which drops the M that cannot beat the
+   incumbent (on GPT-175B all but two of nine); every other
    M's model is built and its LP relaxation solved (with the packing bound, the
    bound of its pieces until their own solves do better); then a first pass gives each piece
    (fewest stages first) a short, presolve-free solve: most prove at once that
@@ -21,7 +25,7 @@ the pieces of one M in its HiGHS sessions, up to one solve per core at once
 Every solve asks only for plans ``gap`` better than the incumbent (``_cutoff_ms``), and an M
 or piece whose bound is within ``gap`` of it is closed: the plan returned is then certified
 within ``gap`` of the optimum, not necessarily optimal. The certified lower bound is the
-smallest bound over all pieces (a piece never solved keeps its M's packing or relaxation
+smallest bound over all pieces (a piece never solved keeps its column bound, its M's packing or relaxation
 bound, or the solve-free capacity bound, or its own link bound — the transfers on the
 pipeline's critical paths, which grow with S, ``_ilp.link_bound_s`` — whichever is highest;
 a piece whose starting bound is within the gap of the incumbent is closed unsolved), so the
