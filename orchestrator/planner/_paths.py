@@ -131,7 +131,8 @@ class StageColumns:
             if any(t in g.by_type for g in groups)
         }
         self.beaten_by = self._dominance()
-        self._undominated: dict[bytes, np.ndarray] = {}  # the last mask asked for, and its answer
+        # answers by mask: one per in-flight count, as the cutoff is fixed for a search (read from threads)
+        self._undominated: dict[bytes, np.ndarray] = {}
 
     def _dominance(self):
         """(g, g′, beaten[v, pair]) over the pairs of groups where g′ takes no more devices of any type
@@ -164,11 +165,12 @@ class StageColumns:
     def undominated(self, allowed: np.ndarray) -> np.ndarray:
         """``allowed`` [v, g] less the columns another allowed column of the same shape beats."""
         key = allowed.tobytes()
-        if key not in self._undominated:
+        kept = self._undominated.get(key)
+        if kept is None:  # (threads may compute the same mask twice; each stores the same answer)
             g2, beaten, onto = self.beaten_by
             hit = (beaten & allowed[:, g2]).astype(np.float64)
-            self._undominated = {key: allowed & ~np.asarray((onto.T @ hit.T).T > 0)}
-        return self._undominated[key].copy()
+            kept = self._undominated[key] = allowed & ~np.asarray((onto.T @ hit.T).T > 0)
+        return kept.copy()
 
     def _most_in_flight(self, table: CostTable) -> np.ndarray:
         """[v, g]: the most microbatches in flight with which shape v fits group g (−1: none)."""

@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ def load_model(highs, lp: pulp.LpProblem, *, integer: bool = True) -> list:
 
 
 _banner_shown = False
+_banner_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -154,15 +156,19 @@ def _banner_to_stderr():
     if _banner_shown:
         yield
         return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        _banner_shown = True
+    with _banner_lock:  # two threads swapping descriptor 1 at once could leave stdout on stderr
+        if _banner_shown:
+            yield
+            return
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            os.dup2(2, 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            _banner_shown = True
 
 
 def _interrupt_at(highs, deadline_s: float | Callable[[], float]) -> None:
