@@ -6,8 +6,9 @@ fast group. Here every column is a whole stage: a group g and the layers it hold
 exactly — its time, memory (whole layers, the in-flight activations of its position) and
 devices. The LP then only mixes whole stages, which is far tighter: on gpt2-small ×
 ``mixed-4type-64`` at M = 8, where the packing bound is 87.1 ms against the optimum 102.4 ms
-(one stage, M = 1), it proves every S from 7 to 14 above the optimum in 0.1–0.4 s each, pieces the
-ILP took 4–12 s each to close (session 21).
+(one stage, M = 1), it proves 1, 2 and 7 to 14 stages above the optimum in 0.01–0.06 s each, pieces
+the ILP took 4–12 s each to close, and the MIP (:meth:`StageColumns.integer_bound_s`) the other four in
+0.2–0.8 s each (session 21).
 
 A stage's layers are a contiguous slice of the chain of runs (``_ilp.Run``: identical layers in
 a row), so it is known by what it takes of each run — a *shape*: k layers inside one run, or
@@ -42,7 +43,12 @@ bucket, so each a lower bound of the closed form (``_closed_form``) of every pla
 sync and optimizer on position S−1's group.) Every plan of S stages whose stages are each at
 most the cutoff / M gives a point of this LP with Z its step time, so the least Z bounds it; a
 plan with a slower stage is above the cutoff. The bound is therefore min(LP, cutoff) — and the
-cutoff itself, closing the piece, when the LP is infeasible or reaches it.
+cutoff itself, closing the piece, when the LP is infeasible or reaches it. Three things make it
+tighter or faster, each its own method: a bisection on the bottleneck T (columns slower than T
+closed: min(M·T, Z(T)) bounds every plan, :meth:`StageColumns.bound_s`), the same model with whole
+columns as a MIP (:meth:`StageColumns.integer_bound_s`, whose solution, laid end to end, is a plan
+to price), and dropping the columns another column of the same shape beats on every row while
+taking no more devices (:meth:`StageColumns._dominance`).
 """
 
 from __future__ import annotations
