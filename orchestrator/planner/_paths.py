@@ -225,19 +225,19 @@ class StageColumns:
                 best, hi = max(best, z), mid
         return min(best, cutoff_ms) / MS
 
-    def integer_bound_s(self, stages: int, *, cutoff_s: float, time_limit_s: float) -> tuple[float, list | None]:
+    def integer_bound_s(self, stages: int, *, cutoff_s: float, time_limit_s: float) -> tuple[float, list | None, bool]:
         """The same bound with whole columns only (each position one shape on one group): a MIP, far
         tighter where the LP mixes stages (gpt2-small × ``mixed-4type-64`` at M = 8: the LP's
         93.0–98.9 ms for 3–6 stages, the MIP's proof that none is below the cutoff 101.3 ms in
         0.2–0.8 s each, session 21). Returns (the bound, at most the cutoff; the best solution's
         stages in pipeline order as (layers, group), or None when it has none or its shapes do not
-        chain — see :meth:`chain`), within ``time_limit_s``."""
+        chain — see :meth:`chain`; whether the MIP was decided, not stopped), within ``time_limit_s``."""
         import highspy
 
         cutoff_ms = cutoff_s * MS
         lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
         if lp.empty:
-            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None
+            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None, True
         X = len(lp.position)
         kind = np.full(X, highspy.HighsVarType.kInteger)
         lp.highs.changeColsIntegrality(X, np.arange(X, dtype=np.int32), kind)
@@ -250,7 +250,7 @@ class StageColumns:
         status = lp.highs.getModelStatus()
         info = lp.highs.getInfo()
         if status == highspy.HighsModelStatus.kInfeasible:
-            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None
+            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None, True
         if status == highspy.HighsModelStatus.kOptimal:
             found = info.objective_function_value
         else:  # stopped: its dual bound, if it has one
@@ -261,7 +261,7 @@ class StageColumns:
             picked = {int(lp.position[i]): (int(lp.shape[i]), int(lp.group[i])) for i in np.nonzero(values > 0.5)[0]}
             if len(picked) == stages:
                 chosen = self.chain([picked[p] for p in reversed(range(stages))])
-        return min(max(found, 0.0), cutoff_ms) / MS, chosen
+        return min(max(found, 0.0), cutoff_ms) / MS, chosen, status == highspy.HighsModelStatus.kOptimal
 
     def chain(self, columns: list[tuple[int, int]]) -> list[tuple[list[int], GroupConfig]] | None:
         """(layers, group) of each (shape, group) in pipeline order, the shapes laid end to end from
