@@ -106,7 +106,7 @@ import numpy as np
 
 from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._ilp import Run, cheapest_transfer_s, in_flight
-from orchestrator.planner._table import CostTable
+from orchestrator.planner._table import CostTable, per_run
 
 # the search stops when its bound is this close (relative) to the most the bound could be: a
 # tenth of the 1% gap the planner aims for
@@ -318,17 +318,10 @@ class PackingBound:
         self.runs, self.groups, self.infos, self.M, self.J = runs, groups, infos, microbatches, max_stages
         self.schedule = schedule
         self.transfer_s = cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0
-        entries = [[table.entry(run.first, g, microbatches) for g in groups] for run in runs]
-
-        def per_run_and_group(field: str) -> np.ndarray:
-            return np.array([[getattr(e, field) for e in row] for row in entries], dtype=float).reshape(
-                len(runs), len(groups)
-            )
-
-        self.time = per_run_and_group("time_s")
-        self.forward = per_run_and_group("forward_s")
-        self.sync = per_run_and_group("dp_sync_s")
-        self.optimizer = per_run_and_group("optimizer_s")
+        self.time, self.forward, self.sync, self.optimizer = (
+            per_run(table, runs, groups, microbatches, field)
+            for field in ("time_s", "forward_s", "dp_sync_s", "optimizer_s")
+        )
         # memory per part: [q][r, g], q over the most parts a group has (a group of one type repeats its one)
         parts = [[table.memory_parts(run.first, g, microbatches) for g in groups] for run in runs]
         self.parts = max((len(g.by_type) for g in groups), default=1)

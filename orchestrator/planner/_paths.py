@@ -60,7 +60,7 @@ import numpy as np
 
 from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._ilp import MS, Run, cheapest_transfer_s, in_flight
-from orchestrator.planner._table import CostTable
+from orchestrator.planner._table import CostTable, per_run
 
 # the bisection on the bottleneck stops when its bracket is this close (relative), or after PROBES solves
 TOLERANCE = 1e-3
@@ -114,15 +114,12 @@ class StageColumns:
         self.runs, self.groups, self.infos, self.M, self.schedule = runs, groups, infos, microbatches, schedule
         self.transfer_ms = MS * cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0
         self.counts, self.starts, self.ends = stage_shapes(runs)
-        entries = [[table.entry(run.first, g, microbatches) for g in groups] for run in runs]
 
-        def per_run(field: str) -> np.ndarray:  # [r, g]
-            return np.array([[getattr(e, field) for e in row] for row in entries], dtype=float).reshape(
-                len(runs), len(groups)
-            )
+        def of_runs(field: str) -> np.ndarray:  # [r, g], in ms
+            return MS * per_run(table, runs, groups, microbatches, field)
 
-        time, forward = MS * per_run("time_s"), MS * per_run("forward_s")
-        after = MS * (per_run("dp_sync_s") + per_run("optimizer_s"))
+        time, forward = of_runs("time_s"), of_runs("forward_s")
+        after = of_runs("dp_sync_s") + of_runs("optimizer_s")
         n = self.counts.astype(float)
         self.time, self.forward, self.after = n @ time, n @ forward, n @ after  # [v, g]
         self.last_backward = time[-1] - forward[-1] if runs else np.zeros(len(groups))  # [g]

@@ -6,6 +6,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from orchestrator.cluster import Link
 from orchestrator.costs import CostModel, ParallelConfig, all_reduce_s, p2p_s
 from orchestrator.planner._groups import GroupConfig, TypeInfo, group_links, slowest
@@ -198,3 +200,10 @@ class CostTable:
         """One direction: ``layer``'s output activation for one microbatch (the whole microbatch, all replicas)."""
         nbytes = self.model.layers[layer].activation_bytes * (self.global_batch / microbatches) / self.model.batch_size
         return p2p_s(nbytes, link)
+
+
+def per_run(table: CostTable, runs, groups: list[GroupConfig], microbatches: int, field: str) -> np.ndarray:
+    """[r, g]: ``field`` of the :class:`Entry` of run r's layers (all alike) on group g at M microbatches."""
+    return np.array(
+        [[getattr(table.entry(run.first, g, microbatches), field) for g in groups] for run in runs], dtype=float
+    ).reshape(len(runs), len(groups))
