@@ -121,9 +121,7 @@ class _BottleneckLP:
     the whole-layer caps) so each solve starts from the last basis."""
 
     def __init__(self, bound: PackingBound, stages: int):
-        import highspy
-
-        from orchestrator.solver._highs import _banner_to_stderr
+        from orchestrator.solver._highs import highs_lp
 
         buckets = bound.buckets(stages)
         R, G, P = len(bound.runs), len(bound.groups), len(buckets)
@@ -239,26 +237,10 @@ class _BottleneckLP:
                 (np.r_[n[:, p + 1], n[:, p]], np.r_[np.full(G, 1 / next_width), np.full(G, -1 / width)], -math.inf, 0.0)
             )
 
-        inf = highspy.kHighsInf
-        with _banner_to_stderr():
-            self.highs = highspy.Highs()
-        self.highs.setOptionValue("output_flag", False)
-        self.highs.setOptionValue("threads", 1)
-        self.last_s: float | None = None  # the T of the last solve, whose basis the next starts from
-        empty = np.zeros(0, dtype=np.int32)
         cost = np.zeros(columns)
         cost[step] = 1.0
-        self.highs.addCols(columns, cost, np.zeros(columns), np.full(columns, inf), 0, empty, empty, [])
-        starts = np.cumsum([0] + [len(cols) for cols, *_ in rows[:-1]]).astype(np.int32)
-        self.highs.addRows(
-            len(rows),
-            np.array([max(lo, -inf) for *_, lo, _ in rows]),
-            np.array([min(hi, inf) for *_, hi in rows]),
-            int(sum(len(cols) for cols, *_ in rows)),
-            starts,
-            np.concatenate([cols for cols, *_ in rows]).astype(np.int32),
-            np.concatenate([vals for _, vals, *_ in rows]).astype(np.float64),
-        )
+        self.highs = highs_lp(cost, np.full(columns, math.inf), rows)
+        self.last_s: float | None = None  # the T of the last solve, whose basis the next starts from
 
     def least_step_s(self, bottleneck_s: float) -> float:
         """The least Z with every stage computing within ``bottleneck_s``: +inf when infeasible,

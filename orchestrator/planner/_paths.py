@@ -305,12 +305,9 @@ class _PositionsLP:
         self.stage_ms = columns.time[self.shape, self.group]
         self.empty = any(not np.any(self.position == p) for p in range(S))
         self.highs = None if self.empty else self._load()
-        self.limit_ms = math.inf  # the stage time above which columns are closed now
 
     def _load(self):
-        import highspy
-
-        from orchestrator.solver._highs import _banner_to_stderr
+        from orchestrator.solver._highs import highs_lp
 
         c, S, M = self.c, self.S, self.c.M
         X = len(self.position)
@@ -372,27 +369,9 @@ class _PositionsLP:
             first = np.where(pos == S - 1, c.first_tail[group], 0.0)
             step_row({C + q: 1.0 for q in range(S)}, 2 * pi * (S - 1), first)
 
-        inf = highspy.kHighsInf
-        with _banner_to_stderr():
-            highs = highspy.Highs()
-        highs.setOptionValue("output_flag", False)
-        highs.setOptionValue("threads", 1)
         cost = np.zeros(n_columns)
         cost[Z] = 1.0
-        upper = np.r_[np.ones(X), np.full(3 * S + 1, inf)]
-        empty = np.zeros(0, dtype=np.int32)
-        highs.addCols(n_columns, cost, np.zeros(n_columns), upper, 0, empty, empty, [])
-        starts = np.cumsum([0] + [len(cols) for cols, *_ in rows[:-1]]).astype(np.int32)
-        highs.addRows(
-            len(rows),
-            np.array([max(lo, -inf) for *_, lo, _ in rows]),
-            np.array([min(hi, inf) for *_, hi in rows]),
-            int(sum(len(cols) for cols, *_ in rows)),
-            starts,
-            np.concatenate([cols for cols, *_ in rows]).astype(np.int32),
-            np.concatenate([vals for _, vals, *_ in rows]).astype(np.float64),
-        )
-        return highs
+        return highs_lp(cost, np.r_[np.ones(X), np.full(3 * S + 1, math.inf)], rows)
 
     def least_step_ms(self, within_ms: float = math.inf) -> float:
         """The LP's least Z (ms) with every stage computing within ``within_ms`` per microbatch:

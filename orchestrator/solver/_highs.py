@@ -270,3 +270,40 @@ def solve(
         gap=gap_value,
         solve_s=elapsed,
     )
+
+
+def highs_lp(cost, upper, rows: list) -> object:
+    """A quiet one-thread HiGHS instance holding min cost·x, 0 ≤ x ≤ ``upper``, and ``rows``: each
+    (columns, coefficients, lower, upper) of one row (±inf where open). For LPs built straight from
+    arrays, without PuLP (the planner's packing and column bounds)."""
+    import highspy
+    import numpy as np
+
+    inf = highspy.kHighsInf
+    with _banner_to_stderr():
+        highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", 1)
+    n = len(cost)
+    empty = np.zeros(0, dtype=np.int32)
+    highs.addCols(
+        n,
+        np.asarray(cost, dtype=float),
+        np.zeros(n),
+        np.minimum(np.asarray(upper, dtype=float), inf),
+        0,
+        empty,
+        empty,
+        [],
+    )
+    starts = np.cumsum([0] + [len(cols) for cols, *_ in rows[:-1]]).astype(np.int32)
+    highs.addRows(
+        len(rows),
+        np.array([max(lo, -inf) for *_, lo, _ in rows]),
+        np.array([min(hi, inf) for *_, hi in rows]),
+        int(sum(len(cols) for cols, *_ in rows)),
+        starts,
+        np.concatenate([cols for cols, *_ in rows]).astype(np.int32),
+        np.concatenate([vals for _, vals, *_ in rows]).astype(np.float64),
+    )
+    return highs
