@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 from orchestrator.baselines._split import (
     StageCosts,
-    best_config,
     configs_for,
     configure,
     equal_split,
+    fastest_times,
     min_bottleneck_split,
 )
 from orchestrator.costs import CostModel
@@ -97,6 +97,13 @@ class _Search:
         self.space = space or search_space(model, global_batch, recompute=recompute, zero=zero)
         self.candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
         self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
+        self._costs: dict[tuple[GroupConfig, int], StageCosts] = {}
+
+    def costs(self, group: GroupConfig, M: int) -> StageCosts:
+        """``StageCosts(space, group, M)``, built once per search (they do not depend on S or the order)."""
+        if (group, M) not in self._costs:
+            self._costs[group, M] = StageCosts(self.space, group, M)
+        return self._costs[group, M]
 
     def expired(self) -> bool:
         """Past the deadline (``time.perf_counter()``) the search returns its best so far."""
@@ -138,15 +145,14 @@ class _Search:
         """Balanced split with every block costed as the first listed type (identical devices)."""
         reference = self.model.cluster.devices()[0].device_type
         options = [
-            [StageCosts(self.space, g, M) for g in configs_for(self.space, reference, size, M, tensor_parallel=tp)]
+            [self.costs(g, M) for g in configs_for(self.space, reference, size, M, tensor_parallel=tp)]
             for _, size in blocks
         ]
 
-        def time_s(s, i, k):
-            best = best_config(options[s], i, k, in_flight(self.schedule, M, len(blocks), s))
-            return best.time_s(i, k) if best else float("inf")
+        def stage_times(s):
+            return fastest_times(options[s], self.space.layers, in_flight(self.schedule, M, len(blocks), s))
 
-        return min_bottleneck_split(self.space.layers, len(blocks), time_s)
+        return min_bottleneck_split(self.space.layers, len(blocks), stage_times)
 
 
 def uniform(
@@ -166,7 +172,7 @@ def uniform(
 
     def propose(S, M, blocks):
         split = equal_split(search.space.layers, S)
-        return split, configure(search.space, blocks, split, M, schedule)
+        return split, configure(search.space, blocks, split, M, schedule, costs=search.costs)
 
     return search.sweep("uniform", stage_counts, propose)
 
@@ -188,7 +194,7 @@ def alpa(
 
     def propose(S, M, blocks):
         split = search.reference_split(blocks, M, tp=True)
-        return split, configure(search.space, blocks, split, M, schedule) if split else None
+        return split, configure(search.space, blocks, split, M, schedule, costs=search.costs) if split else None
 
     return search.sweep("alpa", stage_counts, propose)
 
@@ -210,7 +216,9 @@ def pipedream(
 
     def propose(S, M, blocks):
         split = search.reference_split(blocks, M, tp=False)
-        return split, configure(search.space, blocks, split, M, schedule, tp=False) if split else None
+        return split, configure(
+            search.space, blocks, split, M, schedule, tp=False, costs=search.costs
+        ) if split else None
 
     return search.sweep("pipedream", stage_counts, propose)
 
@@ -255,7 +263,7 @@ def greedy(
                     break
                 split.append(list(range(start, end)))
                 start = end
-            groups = configure(space, order, split, M, schedule) if split else None
+            groups = configure(space, order, split, M, schedule, costs=search.costs) if split else None
             best = search.score("greedy", split, groups, M, best)
     return best
 
@@ -315,14 +323,13 @@ def balanced(
             speed = {t: _speed(model, space, t, M) for t in {b[0] for b in blocks}}
             fastest_first = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
             for order in (fastest_first, fastest_first[::-1]):
-                options = [[StageCosts(space, g, M) for g in configs_for(space, t, n, M)] for t, n in order]
+                options = [[search.costs(g, M) for g in configs_for(space, t, n, M)] for t, n in order]
 
-                def time_s(s, i, k, options=options, M=M, S=S):
-                    found = best_config(options[s], i, k, in_flight(schedule, M, S, s))
-                    return found.time_s(i, k) if found else float("inf")
+                def stage_times(s, options=options, M=M, S=S):
+                    return fastest_times(options[s], space.layers, in_flight(schedule, M, S, s))
 
-                split = min_bottleneck_split(space.layers, S, time_s)
-                groups = configure(space, order, split, M, schedule) if split else None
+                split = min_bottleneck_split(space.layers, S, stage_times)
+                groups = configure(space, order, split, M, schedule, costs=search.costs) if split else None
                 best = search.score("balanced", split, groups, M, best)
                 if fastest_first == fastest_first[::-1]:
                     break

@@ -54,7 +54,8 @@ taking no more devices (:meth:`StageColumns._dominance`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -65,10 +66,21 @@ from orchestrator.planner._table import CostTable, per_run
 # the bisection on the bottleneck stops when its bracket is this close (relative), or after PROBES solves
 TOLERANCE = 1e-3
 PROBES = 12
-# MIP_PRESOLVE: the MIPs run without presolve. Measured one at a time (session 21): gpt-13b ×
+# HiGHS options of the MIPs. No presolve: measured one at a time (session 21), gpt-13b ×
 # mixed-4type-64's 8 open pieces at M = 128 and 256 took 22.5 s with it and 9.0 s without, gpt-1.3b ×
 # mixed-4type-64's M = 16 at 4 and 5 stages 7.2 and 8.5 s against 1.8 and 3.9 s; GPT-175B's 10 open
-# pieces went the other way, 6.9 s against 11.0 s.
+# pieces went the other way, 6.9 s against 11.0 s. No RENS, RINS, root reduced-cost, ZI-round or
+# shifting heuristics: after reduced-cost fixing, GPT-175B's pieces of 12 to 16 stages at M = 64
+# took 0.22–0.35 s to prove none below the cutoff without them, 0.34–0.91 s with (session 22; the
+# sub-MIPs of RENS and the root reduced-cost heuristic took most of it).
+MIP_OPTIONS = {
+    "presolve": "off",
+    "mip_heuristic_run_rens": False,
+    "mip_heuristic_run_rins": False,
+    "mip_heuristic_run_root_reduced_cost": False,
+    "mip_heuristic_run_zi_round": False,
+    "mip_heuristic_run_shifting": False,
+}
 
 
 def stage_shapes(runs: Sequence[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,7 +131,9 @@ class StageColumns:
             return MS * per_run(table, runs, groups, microbatches, field)
 
         time, forward = of_runs("time_s"), of_runs("forward_s")
-        after = of_runs("dp_sync_s") + of_runs("optimizer_s")
+        sync, optimizer = of_runs("dp_sync_s"), of_runs("optimizer_s")
+        after = sync + optimizer
+        self._layer_inputs = [forward, time - forward, sync, optimizer]  # [r, g]: what the closed form reads
         n = self.counts.astype(float)
         self.time, self.forward, self.after = n @ time, n @ forward, n @ after  # [v, g]
         self.last_backward = time[-1] - forward[-1] if runs else np.zeros(len(groups))  # [g]
@@ -134,8 +148,9 @@ class StageColumns:
             if any(t in g.by_type for g in groups)
         }
         self.beaten_by = self._dominance()
-        # answers by mask: one per in-flight count, as the cutoff is fixed for a search (read from threads)
-        self._undominated: dict[bytes, np.ndarray] = {}
+        self._priced_beaten_by = None  # (``_price_dominance``, built when first needed)
+        # answers by (mask, kind): one per in-flight count, as the cutoff is fixed for a search (read from threads)
+        self._undominated: dict[tuple[bytes, bool], np.ndarray] = {}
 
     def _dominance(self):
         """(g, g′, beaten[v, pair]) over the pairs of groups where g′ takes no more devices of any type
@@ -160,17 +175,42 @@ class StageColumns:
         for a in [*self.sizes.values(), *extra]:
             better |= (a[g2] < a[g] - 1e-12 * np.abs(a[g]))[None, :]
         beaten = no_worse & (better | (g2 < g)[None, :])
-        from scipy.sparse import csr_matrix
+        return g2, beaten, _onto(g, G)
 
-        onto = csr_matrix((np.ones(len(g)), (np.arange(len(g)), g)), shape=(len(g), G))  # pair → its g
-        return g2, beaten, onto
+    def _price_dominance(self):
+        """As :meth:`_dominance`, for a stronger claim: every plan with g at some position is priced
+        by the closed form (``_closed_form``) no lower than the same plan with g′ there, wherever g′
+        fits. So g′ is of g's device type (the same links to and from its neighbours, whose
+        transfers the closed form reads) and takes no more devices of any type, and on every run
+        of shape v each layer's forward, backward, gradient sync and optimizer step is no slower:
+        the closed form is a max of sums that each grow with every one of these (E_s − b_s too, as
+        every row of E_s holds b_s at least once)."""
+        G = len(self.groups)
+        fewer = np.array([[a.device_type == b.device_type and a.by_type.keys() == b.by_type.keys() for b in self.groups]
+                          for a in self.groups])  # fmt: skip
+        for a in self.sizes.values():
+            fewer &= a[None, :] <= a[:, None]
+        np.fill_diagonal(fewer, False)
+        g, g2 = np.nonzero(fewer)
+        slower = np.zeros((len(self.runs), len(g)), dtype=bool)  # [r, pair]: some input of run r slower on g′
+        better = np.zeros_like(slower)
+        for a in self._layer_inputs:
+            slower |= a[:, g2] > a[:, g] + 1e-12 * np.abs(a[:, g])
+            better |= a[:, g2] < a[:, g] - 1e-12 * np.abs(a[:, g])
+        held = (self.counts > 0).astype(np.float64)  # [v, r]
+        no_worse = held @ slower.astype(np.float64) == 0
+        beaten = no_worse & ((held @ better.astype(np.float64) > 0) | (g2 < g)[None, :])
+        return g2, beaten, _onto(g, G)
 
-    def undominated(self, allowed: np.ndarray) -> np.ndarray:
-        """``allowed`` [v, g] less the columns another allowed column of the same shape beats."""
-        key = allowed.tobytes()
+    def undominated(self, allowed: np.ndarray, *, priced: bool = False) -> np.ndarray:
+        """``allowed`` [v, g] less the columns another allowed column of the same shape beats (on
+        the LP's rows, or with ``priced`` in the closed form's price, :meth:`_price_dominance`)."""
+        key = (allowed.tobytes(), priced)
         kept = self._undominated.get(key)
         if kept is None:  # (threads may compute the same mask twice; each stores the same answer)
-            g2, beaten, onto = self.beaten_by
+            if priced and self._priced_beaten_by is None:
+                self._priced_beaten_by = self._price_dominance()
+            g2, beaten, onto = self._priced_beaten_by if priced else self.beaten_by
             hit = (beaten & allowed[:, g2]).astype(np.float64)
             kept = self._undominated[key] = allowed & ~np.asarray((onto.T @ hit.T).T > 0)
         return kept.copy()
@@ -222,43 +262,78 @@ class StageColumns:
                 best, hi = max(best, z), mid
         return min(best, cutoff_ms) / MS
 
-    def integer_bound_s(self, stages: int, *, cutoff_s: float, time_limit_s: float) -> tuple[float, list | None, bool]:
+    def integer_bound_s(
+        self,
+        stages: int,
+        *,
+        cutoff_s: float,
+        time_limit_s: float,
+        price: Callable[[list[list[int]], list[GroupConfig]], tuple[float, float]] | None = None,
+    ) -> tuple[float, list | None, bool]:
         """The same bound with whole columns only (each position one shape on one group): a MIP, far
         tighter where the LP mixes stages (gpt2-small × ``mixed-4type-64`` at M = 8: the LP's
         93.0–98.9 ms for 3–6 stages, the MIP's proof that none is below the cutoff 101.3 ms in
         0.2–0.8 s each, session 21). Returns (the bound, at most the cutoff; the best solution's
         stages in pipeline order as (layers, group), or None when it has none or its shapes do not
-        chain — see :meth:`chain`; whether the MIP was decided, not stopped), within ``time_limit_s``."""
+        chain — see :meth:`chain`; whether the MIP was decided, not stopped), within ``time_limit_s``.
+
+        With ``price(stages, groups)`` → (that plan's step s, the cutoff s now), every solution the
+        MIP finds below the cutoff is priced, then excluded (Σ x ≤ S − 1 over its columns), and the
+        MIP solved again under the cutoff ``price`` returns, until none is left below it: the rows
+        only bound the closed form, so a MIP optimum below the cutoff may be a plan that is not
+        (gpt-13b × ``mixed-4type-512`` at M = 32, 7 stages: 12.257 s against the cutoff 12.296 s,
+        session 22). Solutions whose shapes do not chain are no plans and are excluded unpriced. The
+        bound is then the least of the cutoff, the MIP's and the priced plans; the solutions went
+        to ``price``, and None is returned for them."""
         import highspy
 
+        started = time.perf_counter()
         cutoff_ms = cutoff_s * MS
-        lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
+        # (with ``price``, a plan excluded once priced stands for the plans of the columns it dominates:
+        # only where its price is no higher than theirs, ``_price_dominance``)
+        lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms, priced=price is not None)
         if lp.empty:
             return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None, True
-        X = len(lp.position)
+        lp.highs.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+        kept = lp.drop_by_reduced_cost(cutoff_ms)
+        if kept is None:  # the relaxation alone reaches the cutoff
+            return cutoff_s, None, True
+        X = len(kept)
         kind = np.full(X, highspy.HighsVarType.kInteger)
         lp.highs.changeColsIntegrality(X, np.arange(X, dtype=np.int32), kind)
-        lp.highs.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
         lp.highs.setOptionValue("mip_rel_gap", TOLERANCE)
-        lp.highs.setOptionValue("presolve", "off")  # (see MIP_PRESOLVE)
-        if math.isfinite(cutoff_ms):
-            lp.highs.setOptionValue("objective_bound", cutoff_ms)
-        lp.highs.run()
-        status = lp.highs.getModelStatus()
-        info = lp.highs.getInfo()
-        if status == highspy.HighsModelStatus.kInfeasible:
-            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None, True
-        if status == highspy.HighsModelStatus.kOptimal:
-            found = info.objective_function_value
-        else:  # stopped: its dual bound, if it has one
-            found = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else 0.0
-        chosen = None
-        if info.primal_solution_status == 2:  # a solution: the column at each position, first stage first
-            values = np.asarray(lp.highs.getSolution().col_value[:X])
-            picked = {int(lp.position[i]): (int(lp.shape[i]), int(lp.group[i])) for i in np.nonzero(values > 0.5)[0]}
-            if len(picked) == stages:
-                chosen = self.chain([picked[p] for p in reversed(range(stages))])
-        return min(max(found, 0.0), cutoff_ms) / MS, chosen, status == highspy.HighsModelStatus.kOptimal
+        for option, value in MIP_OPTIONS.items():
+            lp.highs.setOptionValue(option, value)
+        floor, priced = 0.0, math.inf  # (ms) the MIP's bound so far; the least price of the plans priced
+        while True:
+            lp.highs.setOptionValue("time_limit", max(0.01, time_limit_s - (time.perf_counter() - started)))
+            if math.isfinite(cutoff_ms):
+                lp.highs.setOptionValue("objective_bound", cutoff_ms)
+            lp.highs.run()
+            status = lp.highs.getModelStatus()
+            info = lp.highs.getInfo()
+            if status == highspy.HighsModelStatus.kInfeasible:
+                return min(cutoff_ms, priced) / MS, None, True
+            optimal = status == highspy.HighsModelStatus.kOptimal
+            if optimal:
+                floor = info.objective_function_value
+            elif math.isfinite(info.mip_dual_bound):  # stopped: its dual bound, if it has one
+                floor = max(floor, info.mip_dual_bound)
+            chosen, picked = None, None
+            if info.primal_solution_status == 2:  # a solution: the column at each position, first stage first
+                picked = np.nonzero(np.asarray(lp.highs.getSolution().col_value[:X]) > 0.5)[0]
+                at = {int(lp.position[i]): (int(lp.shape[i]), int(lp.group[i])) for i in kept[picked]}
+                if len(at) == stages:
+                    chosen = self.chain([at[p] for p in reversed(range(stages))])
+            if price is None:
+                return min(max(floor, 0.0), cutoff_ms) / MS, chosen, optimal
+            if chosen is not None:
+                step_s, now_s = price([layers for layers, _ in chosen], [group for _, group in chosen])
+                priced, cutoff_ms = min(priced, step_s * MS), min(cutoff_ms, now_s * MS)
+            bound_ms = min(max(floor, 0.0), cutoff_ms, priced)
+            if not optimal or picked is None or floor >= cutoff_ms:
+                return bound_ms / MS, None, optimal or floor >= cutoff_ms
+            lp.highs.addRow(-math.inf, float(stages - 1), len(picked), picked.astype(np.int32), np.ones(len(picked)))
 
     def chain(self, columns: list[tuple[int, int]]) -> list[tuple[list[int], GroupConfig]] | None:
         """(layers, group) of each (shape, group) in pipeline order, the shapes laid end to end from
@@ -281,10 +356,17 @@ class StageColumns:
         return out if at == sum(run.count for run in self.runs) else None
 
 
+def _onto(g: np.ndarray, groups: int):
+    """The (pair, group) matrix that sends each pair of groups to its first group ``g[pair]``."""
+    from scipy.sparse import csr_matrix
+
+    return csr_matrix((np.ones(len(g)), (np.arange(len(g)), g)), shape=(len(g), groups))
+
+
 class _PositionsLP:
     """The LP of :class:`StageColumns` for one stage count, in HiGHS."""
 
-    def __init__(self, columns: StageColumns, stages: int, *, cutoff_ms: float):
+    def __init__(self, columns: StageColumns, stages: int, *, cutoff_ms: float, priced: bool = False):
         self.c, self.S = columns, stages
         M, S = columns.M, stages
         slow_enough = M * columns.time < cutoff_ms  # [v, g]
@@ -292,7 +374,7 @@ class _PositionsLP:
         for p in range(S):
             k = in_flight(columns.schedule, M, S, S - 1 - p)
             allowed = slow_enough & (columns.most_in_flight >= k)
-            allowed = columns.undominated(allowed)
+            allowed = columns.undominated(allowed, priced=priced)
             if p == S - 1:
                 allowed &= columns.starts[:, None]
             if p == 0:
@@ -372,6 +454,39 @@ class _PositionsLP:
         cost = np.zeros(n_columns)
         cost[Z] = 1.0
         return highs_lp(cost, np.r_[np.ones(X), np.full(3 * S + 1, math.inf)], rows)
+
+    def drop_by_reduced_cost(self, cutoff_ms: float) -> np.ndarray | None:
+        """Solve the LP and delete from HiGHS every stage column that only plans at or above the
+        cutoff can use; returns the indices (into ``position``, ``shape``, ``group``) of the stage
+        columns kept, in their new order, or None when no plan is below the cutoff.
+
+        Reduced-cost fixing: with z the LP's optimum and d_j ≥ 0 the reduced cost of a column at 0,
+        every point of the LP with x_j = 1 has Z ≥ z + d_j (LP duality), so where z + d_j ≥ cutoff
+        no plan below the cutoff uses column j. On GPT-175B × ``mixed-4type-512`` at M = 64 this
+        drops 82–98% of the columns of 9 to 16 stages (session 22)."""
+        import highspy
+
+        X = len(self.position)
+        everything = np.arange(X)
+        if self.empty:
+            return None
+        if not math.isfinite(cutoff_ms):
+            return everything
+        self.highs.run()
+        status = self.highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return None
+        if status != highspy.HighsModelStatus.kOptimal:
+            return everything
+        z = self.highs.getInfo().objective_function_value
+        if z >= cutoff_ms:
+            return None
+        solution = self.highs.getSolution()
+        value, reduced = np.asarray(solution.col_value[:X]), np.asarray(solution.col_dual[:X])
+        # (a margin for HiGHS's tolerances: a column kept needlessly costs time, one dropped wrongly a false bound)
+        dropped = (value <= 1e-9) & (z + reduced >= cutoff_ms * (1 + 1e-6))
+        self.highs.deleteCols(int(dropped.sum()), everything[dropped].astype(np.int32))
+        return everything[~dropped]
 
     def least_step_ms(self, within_ms: float = math.inf) -> float:
         """The LP's least Z (ms) with every stage computing within ``within_ms`` per microbatch:

@@ -99,11 +99,10 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
             groups[s] = g
         costs = [StageCosts(space, g, M) for g in groups]
 
-        def time_s(s, i, k, costs=costs):
-            fits = costs[s].fits(i, k, in_flight(previous.schedule, M, S, s))
-            return costs[s].time_s(i, k) if fits else math.inf
+        def stage_times(s, costs=costs):
+            return costs[s].times(in_flight(previous.schedule, M, S, s))
 
-        for split in (previous_split, min_bottleneck_split(space.layers, S, time_s)):
+        for split in (previous_split, min_bottleneck_split(space.layers, S, stage_times)):
             if split is None:
                 continue
             ev = evaluate(split, groups, M, table=space.table, infos=space.infos, schedule=previous.schedule,

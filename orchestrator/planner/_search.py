@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -389,16 +390,17 @@ def _column_bounds(
     *,
     gap: float,
     deadline: float,
-    improve: Callable[[list[list[int]], list[GroupConfig], int], object],
+    improve: Callable[[list[list[int]], list[GroupConfig], int], tuple[float, object]],
 ) -> dict[int, dict[int, float]]:
     """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff
     (``_cutoff_ms``), which closes the piece: the LP of every (M, S), the incumbent's M and its
     neighbours first, then, where an LP leaves its (M, S) more than ``gap`` below the incumbent
     ``best``, its MIP (after every LP, weakest first; a fair share of the time left, at least
-    ``COLUMN_MIP_S``), all on ``default_workers()`` threads (highspy releases the GIL). A MIP
+    ``COLUMN_MIP_S``), all on ``default_workers()`` threads (highspy releases the GIL). Every MIP
     solution whose stages chain goes to ``improve(stages, groups, M)``, which prices it, keeps it if
-    it beats the incumbent and returns the incumbent; a better one lowers the cutoff for the MIPs
-    still to run, and a MIP stopped by its time limit runs again, with at least ``RETRY_GROWTH``
+    it beats the incumbent and returns (its step time, the incumbent); the MIP then excludes it and goes
+    on (``StageColumns.integer_bound_s``). A better incumbent lowers the cutoff for the MIPs
+    running and still to run, and a MIP stopped by its time limit runs again, with at least ``RETRY_GROWTH``
     times its last limit, while time is left. Solves ``deadline`` stops leave their (M, S) out (LP)
     or at the LP's bound (MIP).
 
@@ -430,11 +432,24 @@ def _column_bounds(
     ]
     limits: dict[tuple[int, int], float] = {}  # each MIP's last time limit
 
+    lock = threading.Lock()
+
+    def price(M: int, stages: list[list[int]], groups: list[GroupConfig]) -> tuple[float, float]:
+        """A MIP's plan priced (``improve``, which may make it the incumbent): (its step, the cutoff now).
+        Past the deadline the search has moved on: (0, 0) ends the MIP, whose result is not read."""
+        nonlocal best, cutoff_s
+        if time.perf_counter() >= deadline:
+            return 0.0, 0.0
+        with lock:
+            score, best = improve(stages, groups, M)
+            cutoff_s = _cutoff_ms(best, gap) / MS
+            return score, cutoff_s
+
     def mip(M: int, S: int):  # (under the cutoff of the incumbent when it starts)
         left = deadline - time.perf_counter()
         share = left * workers / (len(jobs) + 1)  # (the MIPs still waiting, and this one)
         limit = limits[M, S] = min(left, max(COLUMN_MIP_S, share, RETRY_GROWTH * limits.get((M, S), 0.0)))
-        return columns[M].integer_bound_s(S, cutoff_s=cutoff_s, time_limit_s=limit)
+        return columns[M].integer_bound_s(S, cutoff_s=cutoff_s, time_limit_s=limit, price=functools.partial(price, M))
 
     def queue(pieces) -> None:  # MIPs of the open pieces, weakest first (never without an incumbent)
         if best is not None:
@@ -448,13 +463,20 @@ def _column_bounds(
                 found[M][S] = result
                 lps -= 1
                 if not lps:
+                    log.debug("column LPs done")
                     queue([(M, S) for M, bounds in found.items() for S in bounds])
                 continue
-            bound, chosen, decided = result
+            bound, _, decided = result  # (its plans went to ``price``)
+            log.debug(
+                "column MIP M=%d S=%d: %.6g ms (LP %.6g), decided %s, limit %.2f s",
+                M,
+                S,
+                bound * MS,
+                found[M][S] * MS,
+                decided,
+                limits[M, S],
+            )
             found[M][S] = max(found[M][S], bound)
-            if chosen is not None:
-                best = improve([layers for layers, _ in chosen], [group for _, group in chosen], M)
-                cutoff_s = _cutoff_ms(best, gap) / MS
             if not decided:
                 stopped.append((M, S))
             if not jobs:  # the pass is over: the MIPs stopped early go again
@@ -833,13 +855,17 @@ def plan(
     # 420.6 s instead of 472.1 s once the local search took its share, session 17)
     # whole stages as columns, for every M and S, in at most COLUMN_SHARE of the time left: most pieces close here
     def improve(stages: list[list[int]], groups: list[GroupConfig], M: int):
-        """A column MIP's plan, priced by the closed form: the incumbent if it is better; returns the incumbent."""
+        """A column MIP's plan, priced by the closed form, made the incumbent if it fits and its score
+        is better; returns (its step time, fitting or not; the incumbent). A MIP excludes the plan for
+        every plan of the columns it dominates, whose step time is no lower (``_paths``), but which
+        may fit where it does not, and whose migration term may be lower: what bounds their scores
+        is its step time."""
         nonlocal best
         ev = evaluate(stages, groups, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
         if ev.feasible and (best is None or score(ev, stages, groups) < best[0]):
             best = (score(ev, stages, groups), ev, stages, groups, M)
             log.debug("column plan: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, M, len(stages))
-        return best
+        return ev.iteration_s, best
 
     found_columns = _column_bounds(
         space,

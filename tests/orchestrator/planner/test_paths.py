@@ -1,6 +1,6 @@
 """The whole-stage column bounds against enumeration: for every stage count S, never above the best
 plan of exactly S stages (LP and MIP), +inf only when no such plan fits, the cutoff only when none is
-below it; and tighter than the packing bound."""
+below it, the optimum itself when the MIP prices its plans; and tighter than the packing bound."""
 
 import itertools
 import math
@@ -61,7 +61,7 @@ def test_shapes_are_the_contiguous_slices_of_the_runs():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_column_bounds_never_exceed_the_best_plan_of_each_stage_count(schedule):
-    compared, empty, chained, ratios = 0, 0, 0, []
+    compared, empty, chained, priced, ratios = 0, 0, 0, 0, []
     for seed in range(14):
         space = search_space(random_instance(seed), BATCH, recompute=True)
         for M in (1, 2, 4):
@@ -88,12 +88,29 @@ def test_column_bounds_never_exceed_the_best_plan_of_each_stage_count(schedule):
                     )
                     assert not ev.feasible or ev.iteration_s >= whole * (1 - 1e-6)
                     chained += 1
+                # priced: each MIP plan below the cutoff is priced, then excluded, until none is left
+                # below it; the optimum (or a plan priced no higher) is among them, so the bound is exact
+                prices = []
+
+                def price(stages, groups, M=M, space=space, prices=prices, cutoff=cutoff):
+                    ev = evaluate(
+                        stages, groups, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links
+                    )
+                    prices.append(ev.iteration_s if ev.feasible else math.inf)
+                    return prices[-1], cutoff
+
+                exact, handed, decided = columns.integer_bound_s(S, cutoff_s=cutoff, time_limit_s=5, price=price)
+                assert decided and handed is None
+                assert exact == pytest.approx(truth, rel=1e-6), f"seed {seed}, M={M}, S={S}: priced {exact} vs {truth}"
+                assert min(prices) == pytest.approx(truth, rel=1e-6) and min(prices) >= truth * (1 - 1e-9)
+                priced += len(prices) > 1
                 # just below it, the MIP may close it: then at the cutoff exactly
                 below, _, _ = columns.integer_bound_s(S, cutoff_s=truth * 0.999, time_limit_s=5)
                 assert below <= truth * 0.999 * (1 + 1e-9)
                 compared += 1
                 ratios.append(whole / truth)
     assert compared >= 60 and empty >= 1 and chained >= compared // 2, (compared, empty, chained)
+    assert priced >= 1, "no MIP priced more than one plan: the exclusions went untested"
     # tight on these chains: the MIP at a median 0.997 of the optimum, the LP at 0.996 (session 21)
     assert statistics.median(ratios) >= 0.99, sorted(ratios)[:10]
 
@@ -125,3 +142,41 @@ def test_column_lp_is_at_least_the_packing_bound_of_its_stage_count():
                 checked += 1
                 stronger += ours > below * 1.01
     assert checked >= 20 and stronger >= checked // 4, (checked, stronger)
+
+
+def test_a_price_dominated_column_never_prices_a_plan_lower_than_its_dominator():
+    """``_price_dominance``'s claim, plan by plan: swapping the dominating group in at any stage of
+    any plan, where it fits, never raises the closed form's price (what lets a priced MIP exclude a
+    plan for all the plans it stands for)."""
+    from orchestrator.planner._ilp import in_flight
+
+    swaps = 0
+    for seed in range(12):
+        space = search_space(random_instance(seed), BATCH, recompute=True)
+        run_of = [r for r, run in enumerate(space.runs) for _ in range(run.count)]
+        for M in (1, 4):
+            columns = _columns(space, M, "1f1b")
+            g2, beaten, onto = columns._price_dominance()
+            first = onto.indices  # each pair's dominated group
+            index = {group: g for g, group in enumerate(columns.groups)}
+            shape = {tuple(row): v for v, row in enumerate(columns.counts)}
+            for S in range(1, min(3, space.layers) + 1):
+                for stages in _partitions(space.layers, S):
+                    for chosen in itertools.product(columns.groups, repeat=S):
+                        price = evaluate(list(stages), list(chosen), M, table=space.table, infos=space.infos,
+                                         schedule="1f1b", links=space.links)  # fmt: skip
+                        if not price.feasible:
+                            continue
+                        for s, layers in enumerate(stages):
+                            v = shape[tuple(np.bincount([run_of[l] for l in layers], minlength=len(space.runs)))]
+                            fits = columns.most_in_flight[v] >= in_flight("1f1b", M, S, s)
+                            for pair in np.nonzero(beaten[v] & (first == index[chosen[s]]) & fits[g2])[0]:
+                                swapped = list(chosen)
+                                swapped[s] = columns.groups[g2[pair]]
+                                after = evaluate(list(stages), swapped, M, table=space.table, infos=space.infos,
+                                                 schedule="1f1b", links=space.links)  # fmt: skip
+                                assert after.feasible and after.iteration_s <= price.iteration_s * (1 + 1e-9), (
+                                    f"seed {seed}, M={M}: {chosen[s]} → {swapped[s]} at stage {s} of {stages}"
+                                )
+                                swaps += 1
+    assert swaps >= 100, swaps
