@@ -53,6 +53,7 @@ taking no more devices (:meth:`StageColumns._dominance`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -305,8 +306,11 @@ class StageColumns:
         for option, value in MIP_OPTIONS.items():
             lp.highs.setOptionValue(option, value)
         floor, priced = 0.0, math.inf  # (ms) the MIP's bound so far; the least price of the plans priced
-        while True:
-            lp.highs.setOptionValue("time_limit", max(0.01, time_limit_s - (time.perf_counter() - started)))
+        for excluded in itertools.count():
+            left = time_limit_s - (time.perf_counter() - started)
+            if excluded and left <= 0:  # out of time between two solves
+                return min(floor, cutoff_ms, priced) / MS, None, False
+            lp.highs.setOptionValue("time_limit", max(0.01, left))
             if math.isfinite(cutoff_ms):
                 lp.highs.setOptionValue("objective_bound", cutoff_ms)
             lp.highs.run()
