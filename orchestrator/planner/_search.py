@@ -10,9 +10,9 @@ the pieces of one M in its HiGHS sessions, up to one solve per core at once
    time), which a local search (``_polish``) improves (in at most ``POLISH_SHARE`` more, and
    by half the time);
 2. every (M, S) piece gets a bound from whole stages as columns (``_paths``: an LP, then a MIP
-   where the LP leaves it open, in at most ``COLUMN_SHARE`` of the time left; a MIP solution whose
-   stages chain may become the incumbent), which closes most pieces before any ILP is built (an M
-   whose pieces all close is done); every M not bounded for every S gets its packing bound
+   where the LP leaves it open, in at most ``COLUMN_SHARE`` of the time left; every plan a MIP
+   finds is priced, may become the incumbent, and is excluded from that MIP), which closes most
+   pieces before any ILP is built (an M whose pieces all close is done); every M not bounded for every S gets its packing bound
    (``_packing``, at most 9/10 of the time left), which drops the M that cannot beat the
    incumbent (on GPT-175B all but two of nine); every other
    M's model is built and its LP relaxation solved (with the packing bound, the
