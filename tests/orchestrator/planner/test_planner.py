@@ -1,4 +1,4 @@
-"""The planner ILP against exhaustive enumeration, and its plans' validity (work in progress: issue 4)."""
+"""The planner ILP against exhaustive enumeration, and its plans' validity."""
 
 import pytest
 
