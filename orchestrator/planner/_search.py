@@ -777,6 +777,14 @@ def plan(
             return ev.iteration_s
         return ev.iteration_s + migration.step_cost_s(stages, groups, space.table, keys)
 
+    def offer(stages: list[list[int]], groups: list[GroupConfig], M: int) -> Evaluation:
+        """Price a plan by the closed form and make it the incumbent if it fits and scores better."""
+        nonlocal best
+        ev = evaluate(stages, groups, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
+        if ev.feasible and (best is None or score(ev, stages, groups) < best[0]):
+            best = (score(ev, stages, groups), ev, stages, groups, M)
+        return ev
+
     # the heuristic and baselines get at most a third of the budget (largest M first)
     given = start
     start = _heuristic(
@@ -807,9 +815,7 @@ def plan(
             best = (score(ev, stages, [group]), ev, stages, [group], M)
             log.debug("single stage start: %.6g ms at M=%d on %s", ev.iteration_s * MS, M, group)
     if given is not None and given[2] in candidates:
-        ev = evaluate(*given, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
-        if ev.feasible and (best is None or score(ev, given[0], given[1]) < best[0]):
-            best = (score(ev, given[0], given[1]), ev, given[0], given[1], given[2])
+        offer(*given)
     if best is not None:  # the local search around it, in at most POLISH_SHARE of the budget, by half of it
         _, _, stages, groups, M = best
         polished = polish(
@@ -829,15 +835,10 @@ def plan(
 
     def record(sub: StageModel, result, piece: _Piece | None = None) -> None:
         """Fold one solve into the incumbent and the certified bound (per piece, or per M)."""
-        nonlocal best, lower
+        nonlocal lower
         bound = max(result.bound / MS, sub.simple_bound_s())
         if result.has_solution:
-            stages, chosen = sub.read()
-            ev = evaluate(
-                stages, chosen, sub.M, table=space.table, infos=space.infos, schedule=schedule, links=space.links
-            )
-            if ev.feasible and (best is None or score(ev, stages, chosen) < best[0]):
-                best = (score(ev, stages, chosen), ev, stages, chosen, sub.M)
+            offer(*sub.read(), sub.M)
         if piece is None:  # a whole M at once
             if result.status != "Infeasible":
                 lower = min(lower, bound)
@@ -852,9 +853,6 @@ def plan(
             close = best is not None and bound >= _cutoff_ms(best, gap) / MS
             piece.done = result.status in ("Optimal", CUT_OFF) or close
 
-    # each M's packing bound, in at most 9/10 of the time left (it needs them only where the ILP's
-    # own pieces would not finish either: GPT-175B, 1.5 s per M; with ¾, its M = 64 stopped at
-    # 420.6 s instead of 472.1 s once the local search took its share, session 17)
     # whole stages as columns, for every M and S, in at most COLUMN_SHARE of the time left: most pieces close here
     def improve(stages: list[list[int]], groups: list[GroupConfig], M: int):
         """A column MIP's plan, priced by the closed form, made the incumbent if it fits and its score
@@ -862,10 +860,9 @@ def plan(
         every plan of the columns it dominates, whose step time is no lower (``_paths``), but which
         may fit where it does not, and whose migration term may be lower: what bounds their scores
         is its step time."""
-        nonlocal best
-        ev = evaluate(stages, groups, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links)
-        if ev.feasible and (best is None or score(ev, stages, groups) < best[0]):
-            best = (score(ev, stages, groups), ev, stages, groups, M)
+        before = best
+        ev = offer(stages, groups, M)
+        if best is not before:
             log.debug("column plan: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, M, len(stages))
         return ev.iteration_s, best
 
@@ -882,6 +879,9 @@ def plan(
     # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
     # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
     complete = {M: min(b.values()) for M, b in found_columns.items() if len(b) == max_stages}
+    # each M's packing bound, in at most 9/10 of the time left (it needs them only where the ILP's
+    # own pieces would not finish either: GPT-175B, 1.5 s per M; with ¾, its M = 64 stopped at
+    # 420.6 s instead of 472.1 s once the local search took its share, session 17)
     packing = _packing_bounds(
         space,
         [M for M in candidates if M not in complete],
