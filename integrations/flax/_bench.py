@@ -45,12 +45,13 @@ measured step less the simulated one, per dispatch (53–62 µs in session 17). 
 their measured 38–39 ms and ranked below single-stage plans they are twice as slow as.
 
 The 2-core development machine drifts: the same measurement moves by tens of percent from one
-minute to the next. So each comparison is calibrated just before it is measured and repeated
-(:func:`recalibrated`): a stage is timed in 3 rounds, each after a fresh profile and a fresh
-s(k), and the medians are compared; the ranking re-measures the host 3 times over its 12 rounds
-and simulates each plan with the median. The ranking case also reports the measurement's own
-repeatability: Kendall's τ between the medians of the even and the odd rounds (the plans take
-turns, so both halves see the same machine). No model ranks the plans better than that.
+minute to the next. So each stage comparison interleaves its measurements: every sample runs the
+layers' profiled pieces, the s(k) workload and the stages once each (:func:`timing_cases`), and
+prediction and measurement come from the same samples. The ranking calibrates afresh
+(:func:`recalibrated`) 3 times over its 12 rounds and simulates each plan with the median. It
+also reports the measurement's own repeatability: Kendall's τ between the medians of the even and
+the odd rounds (the plans take turns, so both halves see the same machine). No model ranks the
+plans better than that.
 """
 
 from __future__ import annotations
@@ -133,7 +134,6 @@ def recalibrated(su: Setup, sizes: Iterable[int] | None = None) -> Setup:
     before it is measured, and repeated.
     """
     from integrations.flax._profile import profile_layers
-    from orchestrator.costs import CostModel
     from orchestrator.profile import TimingCache
 
     batch, seq_len = su.batch["inputs"].shape
@@ -148,15 +148,7 @@ def recalibrated(su: Setup, sizes: Iterable[int] | None = None) -> Setup:
             cache=TimingCache(Path(directory), jax_version=jax.__version__),
             fixed_from=(abstract, su.recipe.batch_spec(batch // FIXED_BATCH_DIVISOR, seq_len)),
         )
-    old = su.model
-    model = CostModel(
-        old.graph,
-        old.layers,
-        old.cluster,
-        batch_size=old.batch_size,
-        param_axes=su.axes or None,
-        measured=timings,
-    )
+    model = _remodelled(su, timings)
     if sizes is None or su.host is None:
         host = measure_host_costs(_gradients(su), su.state.params, su.batch)
     else:
@@ -165,6 +157,16 @@ def recalibrated(su: Setup, sizes: Iterable[int] | None = None) -> Setup:
             su.host, slowdown={**su.host.slowdown, **slowdown(_gradients(su), su.state.params, su.batch, counts=counts)}
         )
     return dataclasses.replace(su, model=model, host=host)
+
+
+def _remodelled(su: Setup, timings):
+    """``su``'s cost model with the layers' measured times replaced by ``timings``."""
+    from orchestrator.costs import CostModel
+
+    old = su.model
+    return CostModel(
+        old.graph, old.layers, old.cluster, batch_size=old.batch_size, param_axes=su.axes or None, measured=timings
+    )
 
 
 def _stage_costs(plan, su: Setup):
@@ -215,7 +217,11 @@ def slowed_seconds(work_s: float, fixed_s: float, stage, su: Setup) -> float:
 def predicted_stage_seconds(plan, su: Setup, *, buffers: list[int] | None = None) -> list[float]:
     """Per stage: predicted forward + backward of one microbatch, run alone: its single-device time
     slowed by s(k) for its k devices busy at once, plus the host's part: two dispatches to k devices
-    and ``buffers[s]`` device buffers taken and returned."""
+    and ``buffers[s]`` device buffers taken and returned.
+
+    (Session 23 tried letting the host prepare the backward while the devices run the forward,
+    t = h_f + max(D_f, h_b) + D_b: the 8-device stages came closer, the smallest stages went
+    further off, so the sum stays.)"""
     host = su.host
     return [
         slowed_seconds(f + b, fixed, stage, su)
@@ -326,6 +332,10 @@ class StageTimer:
         """Per stage: the median time, and the device buffers its two calls take and return."""
         return self.pipeline.stage_seconds(self.placed, self.batch, repeats=repeats), self.pipeline.stage_buffers
 
+    def runs(self) -> tuple[list[Callable[[], float]], list[int]]:
+        """Per stage: a function timing one run (warmed up), and the device buffers its two calls move."""
+        return self.pipeline.stage_runs(self.placed, self.batch), self.pipeline.stage_buffers
+
 
 def kendall_tau(a, b) -> float:
     """Kendall's τ-b between two sequences."""
@@ -392,27 +402,58 @@ def communication_cases(su: Setup, progress=None) -> list[dict]:
     return cases
 
 
-def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8) -> list[dict]:
-    """Every stage of ``plans`` timed alone against its prediction, in ``rounds`` rounds: each round
-    takes the plans in turn, and before each plan profiles the layers and measures s(k) again
-    (:func:`recalibrated`), so prediction and measurement see the machine in the same state. The
-    medians over the rounds are compared; the measured times' spread over the rounds is reported,
-    and the measurement against itself (:func:`self_agreement`): no prediction can be checked to
-    15% on a stage whose own even and odd rounds differ by more. With 4 rounds, 5 of 9 stages agreed
-    with themselves within 15% in each of two runs; with 8, 8 of 9 (session 20)."""
+def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8, repeats: int = 7) -> list[dict]:
+    """Every stage of ``plans`` timed alone against its prediction.
+
+    The prediction's measurements and the stage's are interleaved: each of ``repeats`` samples
+    runs every layer's profiled pieces once (:class:`~integrations.flax._profile.LayerProfiler`),
+    the recipe's forward and backward on 1 and on k devices once for the plan's device counts
+    (:class:`~integrations.flax._host.SlowdownRun`), then each stage once. A plan's prediction
+    comes from the medians of its own samples, its measurement from the stages' medians, so both
+    see the machine in the same state (profiled a minute apart, one block's time moved by 1.8×
+    on the 2-core development machine; interleaved, its ratio to the stage that runs it held to
+    ±5%, session 23). ``rounds`` rounds take the plans in turn; the medians over the rounds are
+    compared. The measured times' spread over the rounds is reported, and the measurement against
+    itself (:func:`self_agreement`): no prediction can be checked to 15% on a stage whose own
+    even and odd rounds differ by more."""
+    from integrations.flax._host import SlowdownRun
+    from integrations.flax._profile import LayerProfiler
+
     name = su.recipe.name
-    built = {plan_name: check_plan(plan_name, global_batch=su.batch["inputs"].shape[0]) for plan_name in plans}
-    timers = {plan_name: StageTimer(plan, su) for plan_name, plan in built.items()}
+    batch, seq_len = su.batch["inputs"].shape
+    abstract = su.recipe.abstract_state()
+    profiler = LayerProfiler(
+        su.recipe.train_step,
+        abstract,
+        su.recipe.batch_spec(batch, seq_len),
+        graph=su.graph,
+        layers=su.layers,
+        fixed_from=(abstract, su.recipe.batch_spec(batch // FIXED_BATCH_DIVISOR, seq_len)),
+    )
+    built = {plan_name: check_plan(plan_name, global_batch=batch) for plan_name in plans}
+    counts = {
+        plan_name: sorted({n for stage in plan.stages for n in (len(stage.devices), stage.tp)})
+        for plan_name, plan in built.items()
+    }
+    slow = SlowdownRun(_gradients(su), su.state.params, su.batch, counts=sorted({k for c in counts.values() for k in c}))
+    runs = {plan_name: StageTimer(plan, su).runs() for plan_name, plan in built.items()}
+    profiler.sample(), slow.sample()  # warm-up: compiles
     measured = {plan_name: [[] for _ in plan.stages] for plan_name, plan in built.items()}
     predicted = {plan_name: [[] for _ in plan.stages] for plan_name, plan in built.items()}
     for r in range(rounds):
         for plan_name, plan in built.items():
             if progress:
                 progress(f"stage times {name} {plan_name}, round {r + 1} of {rounds}")
-            now = recalibrated(su, sizes=[len(stage.devices) for stage in plan.stages])
-            seconds, buffers = timers[plan_name]()
-            for s, (m, p) in enumerate(zip(seconds, predicted_stage_seconds(plan, now, buffers=buffers))):
-                measured[plan_name][s].append(m)
+            stage_runs, buffers = runs[plan_name]
+            layer_samples, slow_samples, stage_samples = [], [], []
+            for _ in range(repeats):
+                layer_samples.append(profiler.sample())
+                slow_samples.append(slow.sample(counts[plan_name]))
+                stage_samples.append([run() for run in stage_runs])
+            host = dataclasses.replace(su.host, slowdown={**su.host.slowdown, **slow.slowdown(slow_samples)})
+            now = dataclasses.replace(su, model=_remodelled(su, profiler.timings(layer_samples)), host=host)
+            for s, p in enumerate(predicted_stage_seconds(plan, now, buffers=buffers)):
+                measured[plan_name][s].append(statistics.median(sample[s] for sample in stage_samples))
                 predicted[plan_name][s].append(p)
     cases = []
     for plan_name, plan in built.items():

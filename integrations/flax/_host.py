@@ -118,22 +118,43 @@ def buffer_seconds(repeats: int = 30) -> float:
     return max(0.0, (seconds(64) - seconds(1)) / (63 * 2 * 2))  # 63 more arrays, in and out, 2 shards each
 
 
+class SlowdownRun:
+    """``step(*args)`` jitted once, its own copy of the arguments on each device, timed one round
+    at a time: a round (:meth:`sample`) runs it on 1 device and then on k devices at once for each
+    k in ``counts``. Rounds can be interleaved with other measurements (``_bench.timing_cases``)."""
+
+    def __init__(self, step, *args, counts=MESH_SIZES):
+        self.counts = [k for k in counts if 1 < k <= len(jax.devices())]
+        self.jitted = jax.jit(step)
+        self.copies = [jax.device_put(args, device) for device in jax.devices()[: max(self.counts, default=1)]]
+
+    def seconds(self, k: int) -> float:
+        """Wall seconds of one run on the first ``k`` devices at once, waited for."""
+        start = time.perf_counter()
+        jax.block_until_ready([self.jitted(*copy) for copy in self.copies[:k]])
+        return time.perf_counter() - start
+
+    def sample(self, counts=None) -> dict[int, float]:
+        """One round: seconds by device count, 1 and each of ``counts`` (default: all the run's)."""
+        wanted = self.counts if counts is None else [k for k in self.counts if k in set(counts)]
+        return {k: self.seconds(k) for k in [1, *wanted]}
+
+    def slowdown(self, samples) -> dict[int, float]:
+        """s(k) from rounds of :meth:`sample`: the median time on k devices over that on one."""
+        alone = statistics.median(s[1] for s in samples)
+        return {k: statistics.median(s[k] for s in samples) / alone for k in self.counts if k in samples[0]}
+
+
 def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, float]:
     """s(k) for each k in ``counts``: ``step(*args)`` jitted on each of k devices at once, its
     own copy of the arguments on each, median wall time over the time of one device alone."""
     from orchestrator.profile import median_seconds
 
-    counts = [k for k in counts if 1 < k <= len(jax.devices())]
-    if not counts:  # s(1) = 1 by definition
+    run = SlowdownRun(step, *args, counts=counts)
+    if not run.counts:  # s(1) = 1 by definition
         return {}
-    jitted = jax.jit(step)
-    copies = [jax.device_put(args, device) for device in jax.devices()[: max(counts)]]
-
-    def seconds(k: int) -> float:
-        return median_seconds(lambda: [jitted(*copy) for copy in copies[:k]], repeats=repeats, warmup=2)
-
-    alone = seconds(1)
-    return {k: seconds(k) / alone for k in counts}
+    alone = median_seconds(lambda: run.seconds(1), repeats=repeats, warmup=2)
+    return {k: median_seconds(lambda k=k: run.seconds(k), repeats=repeats, warmup=2) / alone for k in run.counts}
 
 
 def measure_host_costs(step, *args) -> HostCosts:

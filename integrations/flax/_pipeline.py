@@ -514,16 +514,21 @@ class Pipeline:
         return per_stage, self._last_state
 
     def stage_seconds(self, state, batch, *, repeats: int = 5) -> list[float]:
-        """Per stage, the median wall time of one microbatch's forward + backward, run alone.
+        """Per stage, the median wall time of one microbatch's forward + backward, run alone
+        (:meth:`stage_runs`, each run ``repeats`` times after its warm-up)."""
+        import statistics
+
+        return [statistics.median(run() for _ in range(repeats)) for run in self.stage_runs(state, batch)]
+
+    def stage_runs(self, state, batch) -> list[Callable[[], float]]:
+        """Per stage, a function that runs one microbatch's forward + backward alone and returns its
+        wall seconds.
 
         Stage s's inputs are real: earlier stages' forwards run first (untimed);
         cotangents are ones (the loss's is 1/M). Other stages idle meanwhile.
-        Afterwards ``self.stage_buffers[s]`` holds the device buffers the two calls
-        take and return (for the host's share of the time).
+        Each runs once here (compiling, untimed); afterwards ``self.stage_buffers[s]`` holds the
+        device buffers the two calls take and return (for the host's share of the time).
         """
-        import statistics
-        import time
-
         key = str(jax.tree.map(lambda x: (np.shape(x), str(x.dtype)), batch))
         if key not in self._built:
             self._built[key] = self._build(state, batch)
@@ -578,8 +583,8 @@ class Pipeline:
                     self.stage_buffers.append(counted + shard_count(result))
                 return elapsed
 
-            once()  # warm-up (compiles)
-            out.append(statistics.median(once() for _ in range(repeats)))
+            once()  # warm-up (compiles), and counts the buffers
+            out.append(once)
         return out
 
     def _record_step(self, state, batch):

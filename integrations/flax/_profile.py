@@ -22,11 +22,12 @@ at 4 samples ran 15–96% slower than predicted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import jax
+import numpy as np
 
-from integrations.flax._slice import SlicedStep, time_piece
+from integrations.flax._slice import PieceRun, SlicedStep
 from orchestrator.coarsen import LayerGraph
 from orchestrator.graph import OpGraph
 from orchestrator.profile import LayerTiming, TimingCache
@@ -44,60 +45,120 @@ def profile_layers(
     progress: Callable[[str], None] | None = None,
     fixed_from: tuple | None = None,
 ) -> dict[str, LayerTiming]:
-    """Timings of every distinct layer, by signature.
+    """Timings of every distinct layer, by signature: the medians of ``repeats`` rounds of
+    :class:`LayerProfiler` after one warm-up round (layers in the cache are not measured again).
 
     ``fixed_from``: ``fn``'s arguments at a smaller batch (same structure, same layers); each
     layer's fixed part is then measured too (see the module docstring).
     """
+    if fixed_from is not None:
+        _smaller_ratio(args, fixed_from)  # bad input fails before the cache is read
     device_kind = jax.devices()[0].device_kind
     cache = cache if cache is not None else TimingCache(jax_version=jax.__version__)
-    small = _smaller_batch(fn, args, fixed_from, layers) if fixed_from is not None else None
-    distinct = {}
-    for index, layer in enumerate(layers):
-        distinct.setdefault(layer.signature, (index, layer))
     timings: dict[str, LayerTiming] = {}
-    sliced = None
-    for signature, (index, layer) in distinct.items():
-        cached = cache.get(signature, device_kind)
-        if cached is not None and (small is None or cached.forward_fixed_s is not None):
-            timings[signature] = cached
-            continue
-        if sliced is None:
-            sliced = SlicedStep(fn, *args, graph=graph)
-        if progress:
-            progress(layer.name)
-        seconds = _phase_seconds(sliced, layer, PHASES, repeats)
-        fixed = {}
-        if small is not None:
-            small_sliced, small_layers, ratio = small
-            at_small = _phase_seconds(small_sliced, small_layers[index], ("forward", "backward"), repeats)
-            fixed = {f"{phase}_fixed_s": _intercept(seconds[phase], at_small[phase], ratio) for phase in at_small}
-        timing = LayerTiming(
-            signature=signature,
-            name=layer.name,
-            device_kind=device_kind,
-            forward_s=seconds["forward"],
-            backward_s=seconds["backward"],
-            optimizer_s=seconds["optimizer"],
-            **fixed,
-        )
+    for layer in layers:
+        cached = cache.get(layer.signature, device_kind)
+        if cached is not None and (fixed_from is None or cached.forward_fixed_s is not None):
+            timings[layer.signature] = cached
+    missing = {layer.signature for layer in layers} - set(timings)
+    if not missing:
+        return timings
+    profiler = LayerProfiler(
+        fn, *args, graph=graph, layers=layers, fixed_from=fixed_from, signatures=missing, progress=progress
+    )
+    profiler.sample()  # warm-up: the first run of each piece
+    for timing in profiler.timings([profiler.sample() for _ in range(repeats)]).values():
         cache.put(timing)
-        timings[signature] = timing
+        timings[timing.signature] = timing
     return timings
 
 
-def _phase_seconds(sliced: SlicedStep, layer, phases, repeats: int) -> dict[str, float]:
-    """Median seconds of each of ``phases`` of ``layer``, each its own compiled piece (0 for an empty phase)."""
-    seconds = {}
-    for phase in phases:
-        ops = sliced.layer_phase_ops(layer.ops, (phase,))
-        if not ops:
-            seconds[phase] = 0.0
-            continue
-        closed, avals = sliced.piece(ops)
-        donate = sliced.reusable_inputs(ops, closed)
-        seconds[phase] = time_piece(closed, avals, repeats=repeats, donate=donate)
-    return seconds
+class LayerProfiler:
+    """The pieces of every distinct layer (forward, backward, optimizer; with ``fixed_from``, the
+    forward and backward at the smaller batch too), compiled once, timed one round at a time.
+
+    A round (:meth:`sample`) runs each piece once, in turn, so that a change of the machine's
+    speed during the profile falls on every layer alike, and so that the rounds can be
+    interleaved with other measurements (the executor bench times a plan's stages between them:
+    a layer's pieces and the stage that runs it then see the same machine, and on the 2-core
+    development machine their ratio held to ±5% over 6 rounds where separate profiles a minute
+    apart moved a block by 1.8×, session 23).
+
+    Args:
+      fn, *args: the step and its arguments.
+      graph, layers: the captured step and its layers.
+      fixed_from: ``fn``'s arguments at a smaller batch.
+      signatures: only the layers with these signatures (all if None).
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        *args,
+        graph: OpGraph,
+        layers: LayerGraph,
+        fixed_from: tuple | None = None,
+        signatures: Collection[str] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ):
+        self.device_kind = jax.devices()[0].device_kind
+        distinct: dict[str, tuple[int, object]] = {}
+        for index, layer in enumerate(layers):
+            if signatures is None or layer.signature in signatures:
+                distinct.setdefault(layer.signature, (index, layer))
+        self.names = {signature: layer.name for signature, (_, layer) in distinct.items()}
+        small = _smaller_batch(fn, args, fixed_from, layers) if fixed_from is not None else None
+        self.ratio = small[2] if small else None
+        sliced = SlicedStep(fn, *args, graph=graph)
+        self.runs: dict[tuple[str, str, bool], PieceRun | None] = {}
+        for signature, (index, layer) in distinct.items():
+            if progress:
+                progress(layer.name)
+            for phase in PHASES:
+                self.runs[(signature, phase, False)] = _piece_run(sliced, layer, phase)
+            if small is not None:
+                small_sliced, small_layers, _ = small
+                for phase in ("forward", "backward"):
+                    self.runs[(signature, phase, True)] = _piece_run(small_sliced, small_layers[index], phase)
+
+    def sample(self) -> dict[tuple[str, str, bool], float]:
+        """One run of every piece: seconds by (signature, phase, at the smaller batch); 0 for an empty phase."""
+        return {key: run() if run is not None else 0.0 for key, run in self.runs.items()}
+
+    def timings(self, samples: Sequence[Mapping[tuple[str, str, bool], float]]) -> dict[str, LayerTiming]:
+        """Each layer's timing from the medians of ``samples`` (rounds of :meth:`sample`)."""
+        if not samples:
+            raise ValueError("LayerProfiler.timings needs at least one sample")
+        median = {key: float(np.median([s[key] for s in samples])) for key in self.runs}
+        out = {}
+        for signature, name in self.names.items():
+            fixed = {}
+            if self.ratio is not None:
+                fixed = {
+                    f"{phase}_fixed_s": _intercept(
+                        median[(signature, phase, False)], median[(signature, phase, True)], self.ratio
+                    )
+                    for phase in ("forward", "backward")
+                }
+            out[signature] = LayerTiming(
+                signature=signature,
+                name=name,
+                device_kind=self.device_kind,
+                forward_s=median[(signature, "forward", False)],
+                backward_s=median[(signature, "backward", False)],
+                optimizer_s=median[(signature, "optimizer", False)],
+                **fixed,
+            )
+        return out
+
+
+def _piece_run(sliced: SlicedStep, layer, phase: str) -> PieceRun | None:
+    """``layer``'s ``phase`` as one compiled piece (None for an empty phase)."""
+    ops = sliced.layer_phase_ops(layer.ops, (phase,))
+    if not ops:
+        return None
+    closed, avals = sliced.piece(ops)
+    return PieceRun(closed, avals, donate=sliced.reusable_inputs(ops, closed))
 
 
 def _batch_of(args) -> int:
@@ -113,14 +174,20 @@ def _smaller_batch(fn: Callable, args: tuple, small_args: tuple, layers: LayerGr
     from integrations.flax._capture import capture
     from orchestrator.coarsen import coarsen
 
-    batch, small = _batch_of(args), _batch_of(small_args)
-    if not 0 < small < batch:
-        raise ValueError(f"fixed_from needs a smaller batch than the profile's {batch}, got {small}")
+    ratio = _smaller_ratio(args, small_args)
     graph = capture(fn, *small_args)
     small_layers = coarsen(graph)
     if [layer.name for layer in small_layers] != [layer.name for layer in layers]:
         raise ValueError("fixed_from gives other layers than the profiled step: pass the same step at a smaller batch")
-    return SlicedStep(fn, *small_args, graph=graph), small_layers, small / batch
+    return SlicedStep(fn, *small_args, graph=graph), small_layers, ratio
+
+
+def _smaller_ratio(args: tuple, small_args: tuple) -> float:
+    """The smaller batch over the profile's, checked to be in (0, 1)."""
+    batch, small = _batch_of(args), _batch_of(small_args)
+    if not 0 < small < batch:
+        raise ValueError(f"fixed_from needs a smaller batch than the profile's {batch}, got {small}")
+    return small / batch
 
 
 def _intercept(at_batch: float, at_small: float, ratio: float) -> float:

@@ -22,7 +22,6 @@ from jax.extend import core as jcore
 from integrations.flax._capture import _CALLS, _NOWHERE, _join, _Walker
 from integrations.flax._trace import trace
 from orchestrator.graph import OpGraph, Phase
-from orchestrator.profile import median_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +204,8 @@ def example_inputs(avals, seed: int = 0) -> list:
     return out
 
 
-def time_piece(
-    closed: jcore.ClosedJaxpr, avals, *, repeats: int = 5, warmup: int = 1, donate: tuple[int, ...] = ()
-) -> float:
-    """Median wall time (s) of the compiled piece on the default device.
+class PieceRun:
+    """A piece compiled once, with example inputs, that times one run per call.
 
     ``donate``: inputs whose buffers the piece may reuse, as the optimizer part of
     a step whose state is donated updates it in place (see
@@ -217,20 +214,29 @@ def time_piece(
     CPU the first write to each fresh page faults (measured: 1.8 µs per 4 KiB; a
     38.6M-parameter AdamW update took 256 ms into fresh buffers, 53 ms in place).
     """
-    fn = jcore.jaxpr_as_fun(closed)
-    inputs = example_inputs(avals)
-    if not donate:
-        return median_seconds(jax.jit(fn), *inputs, repeats=repeats, warmup=warmup)
-    compiled = jax.jit(fn, donate_argnums=donate)
-    times = []
-    for run in range(warmup + repeats):
-        args = [jnp.copy(x) if i in donate else x for i, x in enumerate(inputs)]
+
+    def __init__(self, closed: jcore.ClosedJaxpr, avals, *, donate: tuple[int, ...] = ()):
+        self.compiled = jax.jit(jcore.jaxpr_as_fun(closed), donate_argnums=donate)
+        self.inputs = example_inputs(avals)
+        self.donate = frozenset(donate)
+
+    def __call__(self) -> float:
+        """Wall seconds of one run, waited for."""
+        args = [jnp.copy(x) if i in self.donate else x for i, x in enumerate(self.inputs)]
         jax.block_until_ready(args)
         start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        if run >= warmup:
-            times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        jax.block_until_ready(self.compiled(*args))
+        return time.perf_counter() - start
+
+
+def time_piece(
+    closed: jcore.ClosedJaxpr, avals, *, repeats: int = 5, warmup: int = 1, donate: tuple[int, ...] = ()
+) -> float:
+    """Median wall time (s) of the compiled piece on the default device (:class:`PieceRun`)."""
+    run = PieceRun(closed, avals, donate=donate)
+    for _ in range(warmup):
+        run()
+    return float(np.median([run() for _ in range(repeats)]))
 
 
 def piece_flops(closed: jcore.ClosedJaxpr, avals) -> float:
