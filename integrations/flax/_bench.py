@@ -25,7 +25,7 @@ dispatching thread is held for. A stage alone is predicted as
     (F + B − X) · s(k) + X · s(tp) + 2 · d(k) + N_s · b
 
 where X is the part of F + B that does not shrink with the microbatch (the layers' fixed parts,
-profiled at the batch and at a quarter of it; :func:`slowed_seconds` says why it is slowed by
+profiled at the batch, a quarter and a sixteenth of it; :func:`slowed_seconds` says why it is slowed by
 the tensor-parallel degree only), and the simulated step (F, B: forward and backward with TP
 all-reduces per microbatch, U: optimizer update and gradient sync, all at single-device speed;
 W_s = (F_s + B_s − X_s) · s(k_s) + X_s · s(tp_s); D_k dispatches to k devices and N buffers per
@@ -69,10 +69,10 @@ import jax
 from integrations.flax._host import HostCosts, measure_host_costs, slowdown
 from integrations.flax._parity import PLAN_NAMES, check_plan, parity
 
-# the layers' fixed parts come from a second profile at batch / 4 (``profile_layers(fixed_from=...)``):
-# gpt-tiny at 16 and 4 put 8 of 9 stages within 15% in a session-20 run, at 16 and 1 7 of 9 in another (the
-# head at 4 samples was then over-predicted by 31%: the time per sample is not linear below 4)
-FIXED_BATCH_DIVISOR = 4
+# the layers' times at smaller batches (``profile_layers(fixed_from=...)``): batch / 4 and batch / 16 (at
+# gpt-tiny's 16, 4 samples and 1, the microbatches of the check plans' stages). With 4 alone, the line
+# through 4 and 16 put a sample's forward and backward at 3.4 ms where it takes 2.6 (session 23)
+SMALLER_BATCH_DIVISORS = (4, 16)
 RANK_PLANS = ("DP1", "DP2", "DP8", "TP2", "DP4xTP2", "DP2xTP4", "2 stages (3+1) x 4 mb", "4 stages TP 1/2/4/1")
 
 
@@ -104,7 +104,7 @@ def setup(recipe_name: str, global_batch: int, seq_len: int, *, host: bool = Fal
     abstract, spec = recipe.abstract_state(), recipe.batch_spec(global_batch, seq_len)
     graph = capture(recipe.train_step, abstract, spec)
     layers = coarsen(graph)
-    fixed_from = (abstract, recipe.batch_spec(global_batch // FIXED_BATCH_DIVISOR, seq_len)) if host else None
+    fixed_from = _smaller_batches(recipe, abstract, global_batch, seq_len) if host else None
     timings = profile_layers(recipe.train_step, abstract, spec, graph=graph, layers=layers, fixed_from=fixed_from)
     cluster = load_cluster("local")
     [device_type] = cluster.device_types
@@ -115,6 +115,12 @@ def setup(recipe_name: str, global_batch: int, seq_len: int, *, host: bool = Fal
     su = Setup(recipe, graph, layers, model, device_type, cluster.shared_cores or 1, state, batch, axes, None)
     # the timing cases compare with this run's machine, not with layer times cached on another day
     return recalibrated(su) if host else su
+
+
+def _smaller_batches(recipe, abstract, batch: int, seq_len: int) -> list[tuple]:
+    """The step's arguments at each smaller batch the layers are also profiled at (at least 1 sample)."""
+    sizes = sorted({max(1, batch // d) for d in SMALLER_BATCH_DIVISORS} - {batch})
+    return [(abstract, recipe.batch_spec(size, seq_len)) for size in sizes]
 
 
 def _gradients(su: Setup):
@@ -146,7 +152,7 @@ def recalibrated(su: Setup, sizes: Iterable[int] | None = None) -> Setup:
             graph=su.graph,
             layers=su.layers,
             cache=TimingCache(Path(directory), jax_version=jax.__version__),
-            fixed_from=(abstract, su.recipe.batch_spec(batch // FIXED_BATCH_DIVISOR, seq_len)),
+            fixed_from=_smaller_batches(su.recipe, abstract, batch, seq_len),
         )
     model = _remodelled(su, timings)
     if sizes is None or su.host is None:
@@ -428,14 +434,16 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
         su.recipe.batch_spec(batch, seq_len),
         graph=su.graph,
         layers=su.layers,
-        fixed_from=(abstract, su.recipe.batch_spec(batch // FIXED_BATCH_DIVISOR, seq_len)),
+        fixed_from=_smaller_batches(su.recipe, abstract, batch, seq_len),
     )
     built = {plan_name: check_plan(plan_name, global_batch=batch) for plan_name in plans}
     counts = {
         plan_name: sorted({n for stage in plan.stages for n in (len(stage.devices), stage.tp)})
         for plan_name, plan in built.items()
     }
-    slow = SlowdownRun(_gradients(su), su.state.params, su.batch, counts=sorted({k for c in counts.values() for k in c}))
+    slow = SlowdownRun(
+        _gradients(su), su.state.params, su.batch, counts=sorted({k for c in counts.values() for k in c})
+    )
     runs = {plan_name: StageTimer(plan, su).runs() for plan_name, plan in built.items()}
     profiler.sample(), slow.sample()  # warm-up: compiles
     measured = {plan_name: [[] for _ in plan.stages] for plan_name, plan in built.items()}

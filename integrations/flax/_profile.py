@@ -10,14 +10,16 @@ gpt2-small's embedding update 2.4× and its backward 7× slower than in the step
 Results go to the disk cache keyed by
 signature, device kind and jax version, so a second profile is instant.
 
-With ``fixed_from`` (the same step's arguments at a smaller batch), each layer's
-forward and backward are also timed there, and the line through the two times,
-read at batch 0, is the part that does not shrink with the batch
-(``LayerTiming.forward_fixed_s``): per-call and per-op costs, which on the
-2-core development machine are 6–20% of gpt-tiny's forward and backward at
-batch 16 (a block 4–20%, the embedding 32–66%; session 20). Without it, the
-cost model scaled a layer linearly to the microbatch, and the pipeline stages
-at 4 samples ran 15–96% slower than predicted.
+With ``fixed_from`` (the same step's arguments at a smaller batch, or a list of them at several),
+each layer's forward and backward are also timed there (``LayerTiming.forward_at``), and the line
+through the two smallest batches' times, read at batch 0, is the part that does not shrink with
+the batch (``LayerTiming.forward_fixed_s``): per-call and per-op costs, which on the 2-core
+development machine are 6–20% of gpt-tiny's forward and backward at batch 16 (a block 4–20%, the
+embedding 32–66%; session 20). Without it, the cost model scaled a layer linearly to the
+microbatch, and the pipeline stages at 4 samples ran 15–96% slower than predicted. The time is not
+one line in the batch: gpt-tiny's forward and backward took 2.6, 5.9 and 15.8 ms at batch 1, 4
+and 16, so the line through 4 and 16 says 3.4 ms at 1 (session 23). The cost model therefore
+interpolates between every measured batch.
 """
 
 from __future__ import annotations
@@ -43,22 +45,23 @@ def profile_layers(
     repeats: int = 5,
     cache: TimingCache | None = None,
     progress: Callable[[str], None] | None = None,
-    fixed_from: tuple | None = None,
+    fixed_from: tuple | list[tuple] | None = None,
 ) -> dict[str, LayerTiming]:
     """Timings of every distinct layer, by signature: the medians of ``repeats`` rounds of
     :class:`LayerProfiler` after one warm-up round (layers in the cache are not measured again).
 
-    ``fixed_from``: ``fn``'s arguments at a smaller batch (same structure, same layers); each
-    layer's fixed part is then measured too (see the module docstring).
+    ``fixed_from``: ``fn``'s arguments at a smaller batch (same structure, same layers), or a list
+    of them at several smaller batches; each layer's times there and its fixed part are then
+    measured too (see the module docstring).
     """
-    if fixed_from is not None:
-        _smaller_ratio(args, fixed_from)  # bad input fails before the cache is read
+    # bad input fails before the cache is read
+    ratios = sorted(_smaller_ratio(args, small_args) for small_args in _as_list(fixed_from))
     device_kind = jax.devices()[0].device_kind
     cache = cache if cache is not None else TimingCache(jax_version=jax.__version__)
     timings: dict[str, LayerTiming] = {}
     for layer in layers:
         cached = cache.get(layer.signature, device_kind)
-        if cached is not None and (fixed_from is None or cached.forward_fixed_s is not None):
+        if cached is not None and (fixed_from is None or [r for r, _ in cached.forward_at] == ratios):
             timings[layer.signature] = cached
     missing = {layer.signature for layer in layers} - set(timings)
     if not missing:
@@ -75,7 +78,7 @@ def profile_layers(
 
 class LayerProfiler:
     """The pieces of every distinct layer (forward, backward, optimizer; with ``fixed_from``, the
-    forward and backward at the smaller batch too), compiled once, timed one round at a time.
+    forward and backward at each smaller batch too), compiled once, timed one round at a time.
 
     A round (:meth:`sample`) runs each piece once, in turn, so that a change of the machine's
     speed during the profile falls on every layer alike, and so that the rounds can be
@@ -87,7 +90,7 @@ class LayerProfiler:
     Args:
       fn, *args: the step and its arguments.
       graph, layers: the captured step and its layers.
-      fixed_from: ``fn``'s arguments at a smaller batch.
+      fixed_from: ``fn``'s arguments at a smaller batch, or a list of them at several.
       signatures: only the layers with these signatures (all if None).
     """
 
@@ -97,7 +100,7 @@ class LayerProfiler:
         *args,
         graph: OpGraph,
         layers: LayerGraph,
-        fixed_from: tuple | None = None,
+        fixed_from: tuple | list[tuple] | None = None,
         signatures: Collection[str] | None = None,
         progress: Callable[[str], None] | None = None,
     ):
@@ -107,49 +110,56 @@ class LayerProfiler:
             if signatures is None or layer.signature in signatures:
                 distinct.setdefault(layer.signature, (index, layer))
         self.names = {signature: layer.name for signature, (_, layer) in distinct.items()}
-        small = _smaller_batch(fn, args, fixed_from, layers) if fixed_from is not None else None
-        self.ratio = small[2] if small else None
-        sliced = SlicedStep(fn, *args, graph=graph)
-        self.runs: dict[tuple[str, str, bool], PieceRun | None] = {}
+        smaller = sorted(
+            (_smaller_batch(fn, args, small_args, layers) for small_args in _as_list(fixed_from)), key=lambda s: s[2]
+        )
+        self.ratios = [ratio for _, _, ratio in smaller]  # ascending
+        steps = [(SlicedStep(fn, *args, graph=graph), layers, 1.0), *smaller]
+        # by (signature, phase, batch ratio): 1.0 the profile's batch
+        self.runs: dict[tuple[str, str, float], PieceRun | None] = {}
         for signature, (index, layer) in distinct.items():
             if progress:
                 progress(layer.name)
-            for phase in PHASES:
-                self.runs[(signature, phase, False)] = _piece_run(sliced, layer, phase)
-            if small is not None:
-                small_sliced, small_layers, _ = small
-                for phase in ("forward", "backward"):
-                    self.runs[(signature, phase, True)] = _piece_run(small_sliced, small_layers[index], phase)
+            for sliced, step_layers, ratio in steps:
+                for phase in PHASES if ratio == 1.0 else ("forward", "backward"):
+                    self.runs[(signature, phase, ratio)] = _piece_run(sliced, step_layers[index], phase)
 
-    def sample(self) -> dict[tuple[str, str, bool], float]:
-        """One run of every piece: seconds by (signature, phase, at the smaller batch); 0 for an empty phase."""
+    def sample(self) -> dict[tuple[str, str, float], float]:
+        """One run of every piece: seconds by (signature, phase, batch / the profile's batch); 0 for
+        an empty phase."""
         return {key: run() if run is not None else 0.0 for key, run in self.runs.items()}
 
-    def timings(self, samples: Sequence[Mapping[tuple[str, str, bool], float]]) -> dict[str, LayerTiming]:
+    def timings(self, samples: Sequence[Mapping[tuple[str, str, float], float]]) -> dict[str, LayerTiming]:
         """Each layer's timing from the medians of ``samples`` (rounds of :meth:`sample`)."""
         if not samples:
             raise ValueError("LayerProfiler.timings needs at least one sample")
         median = {key: float(np.median([s[key] for s in samples])) for key in self.runs}
         out = {}
         for signature, name in self.names.items():
-            fixed = {}
-            if self.ratio is not None:
-                fixed = {
-                    f"{phase}_fixed_s": _intercept(
-                        median[(signature, phase, False)], median[(signature, phase, True)], self.ratio
-                    )
-                    for phase in ("forward", "backward")
-                }
+            smaller = {}
+            if self.ratios:
+                for phase in ("forward", "backward"):
+                    curve = tuple((r, median[(signature, phase, r)]) for r in self.ratios)
+                    (r0, t0), (r1, t1) = (*curve, (1.0, median[(signature, phase, 1.0)]))[:2]
+                    smaller[f"{phase}_at"] = curve
+                    smaller[f"{phase}_fixed_s"] = _intercept(t1, t0, r0 / r1)
             out[signature] = LayerTiming(
                 signature=signature,
                 name=name,
                 device_kind=self.device_kind,
-                forward_s=median[(signature, "forward", False)],
-                backward_s=median[(signature, "backward", False)],
-                optimizer_s=median[(signature, "optimizer", False)],
-                **fixed,
+                forward_s=median[(signature, "forward", 1.0)],
+                backward_s=median[(signature, "backward", 1.0)],
+                optimizer_s=median[(signature, "optimizer", 1.0)],
+                **smaller,
             )
         return out
+
+
+def _as_list(fixed_from) -> list[tuple]:
+    """``fixed_from`` as a list of argument tuples (one tuple: one smaller batch)."""
+    if fixed_from is None:
+        return []
+    return list(fixed_from) if isinstance(fixed_from, list) else [fixed_from]
 
 
 def _piece_run(sliced: SlicedStep, layer, phase: str) -> PieceRun | None:

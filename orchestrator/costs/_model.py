@@ -34,6 +34,7 @@ import copy
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Literal
 
 from orchestrator.cluster import Cluster, Link
@@ -117,9 +118,11 @@ class CostModel:
       measured: layer timings by signature (:mod:`orchestrator.profile`). For
         the device type they were measured on, a layer's time is the measured
         one, scaled from the profiled batch to the configuration by the
-        model's own ratio; other types are projected. Where a timing has a
-        fixed part f (measured at two batches), only the rest scales:
-        t(config) = f + (t − f) · modelled(config) / modelled(profile).
+        model's own ratio x = modelled(config) / modelled(profile); other types
+        are projected. Where a timing has a fixed part f (measured at smaller
+        batches), t(config) is the piecewise-linear curve through (0, f), each
+        smaller batch's (batch / profiled batch, time) and (1, t), read at x
+        (its last piece extended beyond 1); without one, t(config) = t · x.
       measured_batch_size: the batch the timings were measured with.
     """
 
@@ -253,8 +256,11 @@ class CostModel:
             return modelled
         at_profile = self._modelled_time(index, device_type, phase, 1, self.measured_batch_size)
         measured = getattr(timing, f"{phase}_s")
+        if at_profile <= 0:
+            return measured
         fixed = self._fixed_time(index, device_type, phase)
-        return fixed + (measured - fixed) * (modelled / at_profile) if at_profile > 0 else measured
+        curve = ((0.0, fixed), *getattr(timing, f"{phase}_at", ()), (1.0, measured))
+        return _piecewise_linear(curve, modelled / at_profile)
 
     def _measured_on(self, index: int, device_type: str):
         """Layer ``index``'s measured timing if it was measured on ``device_type``, else None."""
@@ -411,3 +417,12 @@ class CostModel:
 
     def _input_bytes(self, index: int) -> float:
         return float(sum(d["bytes"] for _, _, d in self.layers.nx.in_edges(index, data=True)))
+
+
+def _piecewise_linear(points, x: float) -> float:
+    """The piecewise-linear curve through ``points`` ((x, y), x ascending) at ``x``; beyond the
+    last point, its last piece extended."""
+    for (x0, y0), (x1, y1) in pairwise(points):
+        if x <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return points[-1][1]

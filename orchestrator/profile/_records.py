@@ -12,10 +12,11 @@ from pathlib import Path
 class LayerTiming:
     """Median measured seconds of one distinct layer's pieces on one device kind.
 
-    ``forward_fixed_s`` and ``backward_fixed_s``, when measured (``profile_layers(...,
-    fixed_from=...)``), are the parts of ``forward_s`` and ``backward_s`` that do not shrink with
-    the batch: the line through this profile's time and the time at a smaller batch, read at
-    batch 0 (clamped to [0, the smaller batch's time]). None: not measured.
+    ``forward_at`` and ``backward_at``, when measured (``profile_layers(..., fixed_from=...)``),
+    are the times at smaller batches: (batch / this profile's batch, seconds), ascending.
+    ``forward_fixed_s`` and ``backward_fixed_s`` are then the parts of ``forward_s`` and
+    ``backward_s`` that do not shrink with the batch: the line through the two smallest
+    batches' times, read at batch 0 (clamped to [0, the smallest batch's time]). None: not measured.
     """
 
     signature: str
@@ -26,6 +27,8 @@ class LayerTiming:
     optimizer_s: float
     forward_fixed_s: float | None = None
     backward_fixed_s: float | None = None
+    forward_at: tuple[tuple[float, float], ...] = ()
+    backward_at: tuple[tuple[float, float], ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -38,8 +41,9 @@ def cache_dir() -> Path:
     return root / "profiles"
 
 
-METHOD = 3
-"""Version of how layers are timed, part of the cache key: 3 = pieces write over inputs dead after them."""
+METHOD = 4
+"""Version of how layers are timed, part of the cache key: 3 = pieces write over inputs dead after them;
+4 = pieces timed round-robin, times at smaller batches kept (``forward_at``)."""
 
 
 class TimingCache:
@@ -58,7 +62,10 @@ class TimingCache:
         if not path.is_file():
             return None
         try:
-            return LayerTiming(**json.loads(path.read_text()))
+            data = json.loads(path.read_text())
+            for curve in ("forward_at", "backward_at"):
+                data[curve] = tuple(tuple(point) for point in data.get(curve, ()))
+            return LayerTiming(**data)
         except (ValueError, TypeError):
             return None  # a damaged entry is measured again
 

@@ -420,3 +420,37 @@ def test_a_measured_fixed_part_does_not_scale_with_the_microbatch_or_tp():
         assert with_fixed.forward_s == pytest.approx(0.2 + 0.8 * without.forward_s)
         assert with_fixed.backward_s == pytest.approx(0.4 + 1.6 * without.backward_s / 2.0)
     assert cost(fixed, microbatch_size=8, recompute=True).fixed_s == pytest.approx(0.8)  # the forward runs twice
+
+
+def test_times_measured_at_smaller_batches_are_met_and_interpolated_between():
+    graph, layers, cluster, kind, plain = _local_block_timing()
+    block = layers[1]
+    # forward: 1.0 s at the profiled 8 samples, 0.5 at 2, 0.35 at 1; fixed part 0.2 (the line through 1 and 2)
+    curved = dataclasses.replace(plain, forward_fixed_s=0.2, forward_at=((0.125, 0.35), (0.25, 0.5)))
+    model = CostModel(graph, layers, cluster, batch_size=8, measured={block.signature: curved}, measured_batch_size=8)
+
+    def forward(microbatch: int) -> float:
+        return model.layer_cost(1, kind, ParallelConfig(microbatch_size=microbatch)).forward_s
+
+    def ratio(microbatch: int) -> float:  # the model's own scaling from the profiled batch
+        return model._modelled_time(1, kind, "forward", 1, microbatch) / model._modelled_time(1, kind, "forward", 1, 8)
+
+    def curve(x: float) -> float:  # through (0, 0.2), (0.125, 0.35), (0.25, 0.5), (1, 1)
+        if x <= 0.125:
+            return 0.2 + 0.15 * x / 0.125
+        return 0.35 + 0.15 * (x - 0.125) / 0.125 if x <= 0.25 else 0.5 + 0.5 * (x - 0.25) / 0.75
+
+    assert ratio(1) == pytest.approx(0.125, rel=0.01)  # the block's forward is nearly all batch work
+    assert forward(8) == pytest.approx(1.0)
+    for microbatch in (1, 2, 4, 16):  # the measured points, not one line through the profile and one of them
+        assert forward(microbatch) == pytest.approx(curve(ratio(microbatch)))
+    assert forward(1) == pytest.approx(0.35, rel=0.01) and forward(2) == pytest.approx(0.5, rel=0.01)
+
+
+def test_piecewise_linear_meets_its_points_and_extends_its_last_piece():
+    from orchestrator.costs._model import _piecewise_linear
+
+    points = ((0.0, 1.0), (0.25, 4.0), (1.0, 10.0))
+    assert [_piecewise_linear(points, x) for x in (0.0, 0.125, 0.25, 0.625, 1.0, 2.0)] == pytest.approx(
+        [1.0, 2.5, 4.0, 7.0, 10.0, 18.0]
+    )

@@ -176,6 +176,11 @@ def test_profile_at_two_batches_measures_each_layers_fixed_part(tiny, tmp_path):
     )
     assert len(seen) == 3  # cached timings without a fixed part are measured again
     assert all(0 <= t.forward_fixed_s and 0 <= t.backward_fixed_s for t in timed.values())
+    assert all([r for r, _ in t.forward_at] == [0.5] and t.forward_at[0][1] > 0 for t in timed.values())
+    again = profile_layers(
+        recipe.train_step, state, batch, graph=graph, layers=layers, cache=cache, fixed_from=[(state, small)]
+    )
+    assert again == timed  # one smaller batch, as a list: the same profile, from the cache
     # per-call costs are never nothing on a CPU; one layer's two timings can cross under the other test
     # worker's load (a block once came out 0 and 0 in 1 of 5 parallel runs), so all layers together
     assert sum(t.forward_fixed_s + t.backward_fixed_s for t in timed.values()) > 0
