@@ -220,21 +220,36 @@ def slowed_seconds(work_s: float, fixed_s: float, stage, su: Setup) -> float:
     return (work_s - fixed_s) * su.host.slow(len(stage.devices)) + fixed_s * su.host.slow(tp)
 
 
-def predicted_stage_seconds(plan, su: Setup, *, buffers: list[int] | None = None) -> list[float]:
-    """Per stage: predicted forward + backward of one microbatch, run alone: its single-device time
-    slowed by s(k) for its k devices busy at once, plus the host's part: two dispatches to k devices
-    and ``buffers[s]`` device buffers taken and returned.
+def predicted_stage_seconds(
+    plan, su: Setup, *, buffers: list[int] | None = None, forward_buffers: list[int] | None = None
+) -> list[float]:
+    """Per stage: predicted forward + backward of one microbatch, run alone.
 
-    (Session 23 tried letting the host prepare the backward while the devices run the forward,
-    t = h_f + max(D_f, h_b) + D_b: the 8-device stages came closer, the smallest stages went
-    further off, so the sum stays.)"""
+    The devices' time D is the single-device time slowed for k devices busy at once
+    (:func:`slowed_seconds`), split into forward D_f and backward D_b as the cost model splits
+    it. The host's time for a call is a dispatch to k devices d(k), the executor's own e (0 here
+    unless set; the ranking fits it) and b per device buffer the call takes and returns: h_f for
+    the forward's ``forward_buffers[s]``, h_b for the backward's (``buffers[s]`` less those; half
+    each when not given). The host prepares the backward while the devices run the forward, so
+
+        t = h_f + max(D_f, h_b) + D_b.
+
+    On one run's interleaved samples (session 23) this put 7 of 9 check-plan stages within 15%
+    where the sum h_f + h_b + D put 5: the 8-device stages move about 2,200 buffers a call pair,
+    2–3 ms of host time that the sum adds in full.
+    """
     host = su.host
-    return [
-        slowed_seconds(f + b, fixed, stage, su)
-        + 2 * host.dispatch(len(stage.devices))
-        + (buffers[s] if buffers else 0) * host.buffer_s
-        for s, (stage, (f, b, _, _, fixed)) in enumerate(zip(plan.stages, _stage_costs(plan, su)))
-    ]
+    out = []
+    for s, (stage, (f, b, _, _, fixed)) in enumerate(zip(plan.stages, _stage_costs(plan, su))):
+        k = len(stage.devices)
+        device = slowed_seconds(f + b, fixed, stage, su)
+        device_f = device * f / (f + b) if f + b else 0.0
+        n = buffers[s] if buffers else 0
+        n_f = forward_buffers[s] if forward_buffers else n / 2
+        call = host.dispatch(k) + host.executor_s
+        host_f, host_b = call + n_f * host.buffer_s, call + (n - n_f) * host.buffer_s
+        out.append(host_f + max(device_f, host_b) + device - device_f)
+    return out
 
 
 def simulated_step_s(plan, su: Setup, *, dispatches: Mapping[int, int], buffers: int = 0) -> float:
@@ -338,9 +353,11 @@ class StageTimer:
         """Per stage: the median time, and the device buffers its two calls take and return."""
         return self.pipeline.stage_seconds(self.placed, self.batch, repeats=repeats), self.pipeline.stage_buffers
 
-    def runs(self) -> tuple[list[Callable[[], float]], list[int]]:
-        """Per stage: a function timing one run (warmed up), and the device buffers its two calls move."""
-        return self.pipeline.stage_runs(self.placed, self.batch), self.pipeline.stage_buffers
+    def runs(self) -> tuple[list[Callable[[], float]], list[int], list[int]]:
+        """Per stage: a function timing one run (warmed up), the device buffers its two calls move,
+        and those its forward call moves."""
+        runs = self.pipeline.stage_runs(self.placed, self.batch)
+        return runs, self.pipeline.stage_buffers, self.pipeline.stage_forward_buffers
 
 
 def kendall_tau(a, b) -> float:
@@ -452,15 +469,17 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
         for plan_name, plan in built.items():
             if progress:
                 progress(f"stage times {name} {plan_name}, round {r + 1} of {rounds}")
-            stage_runs, buffers = runs[plan_name]
+            stage_runs, buffers, forward_buffers = runs[plan_name]
             layer_samples, slow_samples, stage_samples = [], [], []
             for _ in range(repeats):
                 layer_samples.append(profiler.sample())
                 slow_samples.append(slow.sample(counts[plan_name]))
                 stage_samples.append([run() for run in stage_runs])
             host = dataclasses.replace(su.host, slowdown={**su.host.slowdown, **slow.slowdown(slow_samples)})
-            now = dataclasses.replace(su, model=_remodelled(su, profiler.timings(layer_samples)), host=host)
-            for s, p in enumerate(predicted_stage_seconds(plan, now, buffers=buffers)):
+            timings = profiler.timings(layer_samples, host_s=lambda n: su.host.dispatch(1) + n * su.host.buffer_s)
+            now = dataclasses.replace(su, model=_remodelled(su, timings), host=host)
+            prediction = predicted_stage_seconds(plan, now, buffers=buffers, forward_buffers=forward_buffers)
+            for s, p in enumerate(prediction):
                 measured[plan_name][s].append(statistics.median(sample[s] for sample in stage_samples))
                 predicted[plan_name][s].append(p)
     cases = []

@@ -137,7 +137,7 @@ class SlowdownRun:
     def sample(self, counts=None) -> dict[int, float]:
         """One round: seconds by device count, 1 and each of ``counts`` (default: all the run's)."""
         wanted = self.counts if counts is None else [k for k in self.counts if k in set(counts)]
-        return {k: self.seconds(k) for k in [1, *wanted]}
+        return {k: (self.seconds(k), self.seconds(k))[1] for k in [1, *wanted]}
 
     def slowdown(self, samples) -> dict[int, float]:
         """s(k) from rounds of :meth:`sample`: the median time on k devices over that on one."""

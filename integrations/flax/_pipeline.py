@@ -527,7 +527,8 @@ class Pipeline:
         Stage s's inputs are real: earlier stages' forwards run first (untimed);
         cotangents are ones (the loss's is 1/M). Other stages idle meanwhile.
         Each runs once here (compiling, untimed); afterwards ``self.stage_buffers[s]`` holds the
-        device buffers the two calls take and return (for the host's share of the time).
+        device buffers the two calls take and return (for the host's share of the time), and
+        ``self.stage_forward_buffers[s]`` those of the forward call alone.
         """
         key = str(jax.tree.map(lambda x: (np.shape(x), str(x.dtype)), batch))
         if key not in self._built:
@@ -541,7 +542,7 @@ class Pipeline:
         leaves = jax.tree.leaves(batch)
         acts: dict[tuple[int, object], jax.Array] = {}
         out = []
-        self.stage_buffers = []
+        self.stage_buffers, self.stage_forward_buffers = [], []
         for s, (p, f) in enumerate(zip(programs, fns)):
             args = []
             for kind in p.inputs:
@@ -579,8 +580,9 @@ class Pipeline:
                 jax.block_until_ready(result)
                 elapsed = time.perf_counter() - start
                 if len(self.stage_buffers) == s:  # each call's arguments and results
-                    counted = shard_count(args) + shard_count(forward) + shard_count((saved, cts, acc))
-                    self.stage_buffers.append(counted + shard_count(result))
+                    self.stage_forward_buffers.append(shard_count(args) + shard_count(forward))
+                    backward = shard_count((saved, cts, acc)) + shard_count(result)
+                    self.stage_buffers.append(self.stage_forward_buffers[-1] + backward)
                 return elapsed
 
             once()  # warm-up (compiles), and counts the buffers

@@ -129,11 +129,20 @@ class LayerProfiler:
         an empty phase."""
         return {key: run() if run is not None else 0.0 for key, run in self.runs.items()}
 
-    def timings(self, samples: Sequence[Mapping[tuple[str, str, float], float]]) -> dict[str, LayerTiming]:
-        """Each layer's timing from the medians of ``samples`` (rounds of :meth:`sample`)."""
+    def timings(
+        self, samples: Sequence[Mapping[tuple[str, str, float], float]], *, host_s: Callable[[int], float] | None = None
+    ) -> dict[str, LayerTiming]:
+        """Each layer's timing from the medians of ``samples`` (rounds of :meth:`sample`).
+
+        ``host_s(n)``: the host's seconds for a call that takes and returns n buffers, taken off
+        each piece's time (so that a stage's prediction, which adds its own calls' host time, does
+        not count the pieces' too)."""
         if not samples:
             raise ValueError("LayerProfiler.timings needs at least one sample")
-        median = {key: float(np.median([s[key] for s in samples])) for key in self.runs}
+        median = {}
+        for key, run in self.runs.items():
+            seconds = float(np.median([s[key] for s in samples]))
+            median[key] = max(0.0, seconds - host_s(run.buffers)) if host_s and run is not None else seconds
         out = {}
         for signature, name in self.names.items():
             smaller = {}

@@ -218,6 +218,7 @@ class PieceRun:
     def __init__(self, closed: jcore.ClosedJaxpr, avals, *, donate: tuple[int, ...] = ()):
         self.compiled = jax.jit(jcore.jaxpr_as_fun(closed), donate_argnums=donate)
         self.inputs = example_inputs(avals)
+        self.buffers = len(avals) + len(closed.out_avals)  # the call takes and returns
         self.donate = frozenset(donate)
 
     def __call__(self) -> float:

@@ -84,3 +84,24 @@ def test_a_stages_fixed_part_is_slowed_by_its_tensor_parallel_group_only():
     # a model without axis names runs TP = 1: nothing is split, nothing meets
     su_plain = dataclasses.replace(su, model=type("M", (), {"tensor_parallel": False})())
     assert slowed_seconds(3.0, 1.0, tp8, su_plain) == pytest.approx(2.0 * 5.0 + 1.0)
+
+
+def test_the_host_prepares_the_backward_while_the_devices_run_the_forward(monkeypatch):
+    import integrations.flax._bench as bench
+    from integrations.flax._bench import Setup, predicted_stage_seconds
+    from integrations.flax._parity import check_plan
+
+    class Model:
+        tensor_parallel = True
+
+    su = Setup(None, None, None, Model(), "cpu", 2, None, {}, {}, costs(k2=1.5, k4=2.5, k8=5.0))
+    plan = check_plan("DP8", global_batch=16)
+    # forward 1 ms, backward 3 ms at one device's speed, no fixed part: D = 4 ms · s(8) = 20 ms, D_f = 5 ms
+    monkeypatch.setattr(bench, "_stage_costs", lambda plan, su: [(1e-3, 3e-3, 0.0, 0.0, 0.0)])
+    call = 120e-6  # d(8)
+    # a short backward call: hidden behind the forward's 5 ms on the devices
+    [t] = predicted_stage_seconds(plan, su, buffers=[3000], forward_buffers=[1000])
+    assert t == pytest.approx(call + 1000e-6 + 20e-3)
+    # a backward call longer than the forward's device time: the devices wait for it
+    [t] = predicted_stage_seconds(plan, su, buffers=[9000], forward_buffers=[1000])
+    assert t == pytest.approx(call + 1000e-6 + (call + 8000e-6) + 15e-3)
