@@ -61,12 +61,12 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax
 
-from integrations.flax._host import HostCosts, measure_host_costs, slowdown
+from integrations.flax._host import HostCosts, measure_host_costs
 from integrations.flax._parity import PLAN_NAMES, check_plan, parity
 
 # the layers' times at smaller batches (``profile_layers(fixed_from=...)``): batch / 4 and batch / 16 (at
@@ -130,9 +130,9 @@ def _gradients(su: Setup):
     return lambda params, batch: jax.value_and_grad(loss_fn)(params, su.state.apply_fn, batch)
 
 
-def recalibrated(su: Setup, sizes: Iterable[int] | None = None) -> Setup:
+def recalibrated(su: Setup) -> Setup:
     """``su`` with the layers profiled again (not from the disk cache) and the host's costs measured
-    again; with ``sizes``, s(k) only for those device counts (and the others kept).
+    again.
 
     On the 2-core development machine the same measurement drifts by tens of percent from one
     minute to the next (session 14: a fresh profile of gpt-tiny's layers summed to 20.7 and then
@@ -154,15 +154,8 @@ def recalibrated(su: Setup, sizes: Iterable[int] | None = None) -> Setup:
             cache=TimingCache(Path(directory), jax_version=jax.__version__),
             fixed_from=_smaller_batches(su.recipe, abstract, batch, seq_len),
         )
-    model = _remodelled(su, timings)
-    if sizes is None or su.host is None:
-        host = measure_host_costs(_gradients(su), su.state.params, su.batch)
-    else:
-        counts = sorted({k for k in sizes if k > 1})
-        host = dataclasses.replace(
-            su.host, slowdown={**su.host.slowdown, **slowdown(_gradients(su), su.state.params, su.batch, counts=counts)}
-        )
-    return dataclasses.replace(su, model=model, host=host)
+    host = measure_host_costs(_gradients(su), su.state.params, su.batch)
+    return dataclasses.replace(su, model=_remodelled(su, timings), host=host)
 
 
 def _remodelled(su: Setup, timings):

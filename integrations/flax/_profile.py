@@ -17,8 +17,8 @@ the batch (``LayerTiming.forward_fixed_s``): per-call and per-op costs, which on
 development machine are 6–20% of gpt-tiny's forward and backward at batch 16 (a block 4–20%, the
 embedding 32–66%; session 20). Without it, the cost model scaled a layer linearly to the
 microbatch, and the pipeline stages at 4 samples ran 15–96% slower than predicted. The time is not
-one line in the batch: gpt-tiny's forward and backward took 2.6, 5.9 and 15.8 ms at batch 1, 4
-and 16, so the line through 4 and 16 says 3.4 ms at 1 (session 23). The cost model therefore
+one line in the batch: gpt-tiny's forward and backward on one device took 2.6, 5.9 and 15.8 ms at
+batch 1, 4 and 16, so the line through 4 and 16 says 3.4 ms at 1 (session 23). The cost model therefore
 interpolates between every measured batch.
 """
 
