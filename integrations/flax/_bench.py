@@ -58,11 +58,9 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import jax
 
@@ -139,23 +137,28 @@ def recalibrated(su: Setup) -> Setup:
     26.1 ms; s(8) measured 3.5–6.3 before successive plans), so each comparison is calibrated just
     before it is measured, and repeated.
     """
-    from integrations.flax._profile import profile_layers
-    from orchestrator.profile import TimingCache
+    profiler = _layer_profiler(su)
+    profiler.sample()  # warm-up: compiles
+    timings = profiler.timings([profiler.sample() for _ in range(5)])
+    host = measure_host_costs(_gradients(su), su.state.params, su.batch)
+    return dataclasses.replace(su, model=_remodelled(su, timings), host=host)
+
+
+def _layer_profiler(su: Setup):
+    """The layers of ``su``'s step, compiled for profiling at its batch and at each smaller batch
+    (:class:`~integrations.flax._profile.LayerProfiler`; never read from the disk cache)."""
+    from integrations.flax._profile import LayerProfiler
 
     batch, seq_len = su.batch["inputs"].shape
     abstract = su.recipe.abstract_state()
-    with tempfile.TemporaryDirectory() as directory:
-        timings = profile_layers(
-            su.recipe.train_step,
-            abstract,
-            su.recipe.batch_spec(batch, seq_len),
-            graph=su.graph,
-            layers=su.layers,
-            cache=TimingCache(Path(directory), jax_version=jax.__version__),
-            fixed_from=_smaller_batches(su.recipe, abstract, batch, seq_len),
-        )
-    host = measure_host_costs(_gradients(su), su.state.params, su.batch)
-    return dataclasses.replace(su, model=_remodelled(su, timings), host=host)
+    return LayerProfiler(
+        su.recipe.train_step,
+        abstract,
+        su.recipe.batch_spec(batch, seq_len),
+        graph=su.graph,
+        layers=su.layers,
+        fixed_from=_smaller_batches(su.recipe, abstract, batch, seq_len),
+    )
 
 
 def _remodelled(su: Setup, timings):
@@ -433,19 +436,10 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
     itself (:func:`self_agreement`): no prediction can be checked to 15% on a stage whose own
     even and odd rounds differ by more."""
     from integrations.flax._host import SlowdownRun
-    from integrations.flax._profile import LayerProfiler
 
     name = su.recipe.name
-    batch, seq_len = su.batch["inputs"].shape
-    abstract = su.recipe.abstract_state()
-    profiler = LayerProfiler(
-        su.recipe.train_step,
-        abstract,
-        su.recipe.batch_spec(batch, seq_len),
-        graph=su.graph,
-        layers=su.layers,
-        fixed_from=_smaller_batches(su.recipe, abstract, batch, seq_len),
-    )
+    batch = su.batch["inputs"].shape[0]
+    profiler = _layer_profiler(su)
     built = {plan_name: check_plan(plan_name, global_batch=batch) for plan_name in plans}
     counts = {
         plan_name: sorted({n for stage in plan.stages for n in (len(stage.devices), stage.tp)})
