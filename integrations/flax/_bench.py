@@ -22,11 +22,14 @@ max(1, k/c)), the dispatch d(k) of a call to k devices, the host time b per devi
 buffer a call moves, and the share β(k) of a multi-device call's run the
 dispatching thread is held for. A stage alone is predicted as
 
-    (F + B − X) · s(k) + X · s(tp) + 2 · d(k) + N_s · b
+    D = (F + B − X) · s(k) + X · s(tp),   D_f = D · F / (F + B),   D_b = D − D_f
+    t = h_f + max(D_f, h_b) + D_b,        h = d(k) + N_call · b for each of its two calls
 
 where X is the part of F + B that does not shrink with the microbatch (the layers' fixed parts,
 profiled at the batch, a quarter and a sixteenth of it; :func:`slowed_seconds` says why it is slowed by
-the tensor-parallel degree only), and the simulated step (F, B: forward and backward with TP
+the tensor-parallel degree only), F and B come from profiled pieces less their own calls' host
+time, and the host prepares the backward while the devices run the forward
+(:func:`predicted_stage_seconds`); the simulated step (F, B: forward and backward with TP
 all-reduces per microbatch, U: optimizer update and gradient sync, all at single-device speed;
 W_s = (F_s + B_s − X_s) · s(k_s) + X_s · s(tp_s); D_k dispatches to k devices and N buffers per
 step, counted on the executor) as

@@ -135,7 +135,11 @@ class SlowdownRun:
         return time.perf_counter() - start
 
     def sample(self, counts=None) -> dict[int, float]:
-        """One round: seconds by device count, 1 and each of ``counts`` (default: all the run's)."""
+        """One round: seconds by device count, 1 and each of ``counts`` (default: all the run's).
+
+        Each count runs twice back to back and the second run is timed, so that it does not start
+        cold after whatever ran before it in the sample. (Session 23's two bench runs measured
+        s(k) this way; what it changes alone was not measured.)"""
         wanted = self.counts if counts is None else [k for k in self.counts if k in set(counts)]
         return {k: (self.seconds(k), self.seconds(k))[1] for k in [1, *wanted]}
 
