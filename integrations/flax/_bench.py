@@ -235,7 +235,7 @@ def predicted_stage_seconds(
 
     On one run's interleaved samples (session 23) this put 7 of 9 check-plan stages within 15%
     where the sum h_f + h_b + D put 5: the 8-device stages move about 2,200 buffers a call pair,
-    2–3 ms of host time that the sum adds in full.
+    2–3.4 ms of host time that the sum adds in full (on another run's samples: 4 against 3).
     """
     host = su.host
     out = []
@@ -432,9 +432,9 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
     the recipe's forward and backward on 1 and on k devices once for the plan's device counts
     (:class:`~integrations.flax._host.SlowdownRun`), then each stage once. A plan's prediction
     comes from the medians of its own samples, its measurement from the stages' medians, so both
-    see the machine in the same state (profiled a minute apart, one block's time moved by 1.8×
+    see the machine in the same state (profiled in six successive rounds, one block's time went from 12.6 to 6.6 ms
     on the 2-core development machine; interleaved, its ratio to the stage that runs it held to
-    ±5%, session 23). ``rounds`` rounds take the plans in turn; the medians over the rounds are
+    within 6%, session 23). ``rounds`` rounds take the plans in turn; the medians over the rounds are
     compared. The measured times' spread over the rounds is reported, and the measurement against
     itself (:func:`self_agreement`): no prediction can be checked to 15% on a stage whose own
     even and odd rounds differ by more."""
