@@ -338,7 +338,7 @@ def _dispatch_sizes(step, plan, su: Setup) -> Counter[int]:
 
 class StageTimer:
     """A plan's pipeline, built once, that times each stage's forward + backward of one microbatch run
-    alone (:meth:`~integrations.flax._pipeline.Pipeline.stage_seconds`)."""
+    alone (:meth:`~integrations.flax._pipeline.Pipeline.stage_runs`)."""
 
     def __init__(self, plan, su: Setup):
         from integrations.flax._pipeline import Pipeline
@@ -347,10 +347,6 @@ class StageTimer:
         self.placed = shard(plan, su.state, param_axes=su.axes, layers=su.layers)
         self.pipeline = Pipeline(plan, su.recipe.train_step, self.placed, layers=su.layers, param_axes=su.axes)
         self.batch = su.batch
-
-    def __call__(self, *, repeats: int = 7) -> tuple[list[float], list[int]]:
-        """Per stage: the median time, and the device buffers its two calls take and return."""
-        return self.pipeline.stage_seconds(self.placed, self.batch, repeats=repeats), self.pipeline.stage_buffers
 
     def runs(self) -> tuple[list[Callable[[], float]], list[int], list[int]]:
         """Per stage: a function timing one run (warmed up), the device buffers its two calls move,
