@@ -431,9 +431,10 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
     see the machine in the same state (profiled in six successive rounds, one block's time went from 12.6 to 6.6 ms
     on the 2-core development machine; interleaved, its ratio to the stage that runs it held to
     within 6%, session 23). ``rounds`` rounds take the plans in turn; the medians over the rounds are
-    compared. The measured times' spread over the rounds is reported, and the measurement against
+    compared. The measured times' spread over the rounds is reported, the measurement against
     itself (:func:`self_agreement`): no prediction can be checked to 15% on a stage whose own
-    even and odd rounds differ by more."""
+    even and odd rounds differ by more; and the slowdown s(k) each round measured for the stage's
+    device count (``slowdown_rounds``), which multiplies most of an 8-device stage's prediction."""
     from integrations.flax._host import SlowdownRun
 
     name = su.recipe.name
@@ -451,6 +452,7 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
     profiler.sample(), slow.sample()  # warm-up: compiles
     measured = {plan_name: [[] for _ in plan.stages] for plan_name, plan in built.items()}
     predicted = {plan_name: [[] for _ in plan.stages] for plan_name, plan in built.items()}
+    slowdowns = {plan_name: [[] for _ in plan.stages] for plan_name, plan in built.items()}  # s(k) by round
     for r in range(rounds):
         for plan_name, plan in built.items():
             if progress:
@@ -468,6 +470,7 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
             for s, p in enumerate(prediction):
                 measured[plan_name][s].append(statistics.median(sample[s] for sample in stage_samples))
                 predicted[plan_name][s].append(p)
+                slowdowns[plan_name][s].append(host.slow(len(plan.stages[s].devices)))
     cases = []
     for plan_name, plan in built.items():
         for s in range(len(plan.stages)):
@@ -484,6 +487,7 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
                     round_errors=[mr / pr - 1 for mr, pr in zip(measured[plan_name][s], predicted[plan_name][s])],
                     measured_spread=(max(measured[plan_name][s]) - min(measured[plan_name][s])) / m,
                     repeat_err=self_agreement(measured[plan_name][s]),
+                    slowdown_rounds=slowdowns[plan_name][s],
                 )
             )
     return cases
@@ -558,15 +562,19 @@ def ranking_case(
 
 
 def run(progress=None, *, quick: bool = False) -> dict:
-    """Every case; ``quick`` skips Mamba parity and the timing cases (for tests)."""
+    """Every case, the ranking rows and the stage-timing controls (``_controls``); ``quick`` skips
+    Mamba parity, the timing cases and the controls (for tests)."""
+    from integrations.flax._controls import control_cases
+
     cases = parity_cases(progress, recipes=("gpt-tiny",) if quick else ("gpt-tiny", "mamba-tiny"))
     gpt = setup("gpt-tiny", 16, 16)
     cases += communication_cases(gpt, progress)
-    rows = []
+    rows, controls = [], []
     if not quick:
         cases += communication_cases(setup("mamba-tiny", 16, 16), progress)
         timed = setup("gpt-tiny", 16, 64, host=True)
         cases += timing_cases(timed, progress)
+        controls = control_cases(timed, progress)
         case, rows = ranking_case(timed, progress)
         cases.append(case)
-    return {"cases": cases, "ranking": rows}
+    return {"cases": cases, "ranking": rows, "controls": controls}

@@ -41,7 +41,9 @@ def _figure(value) -> str:
 
 
 def bench_executor_command(
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...], ranking: [...]}.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON {cases: [...], ranking: [...], controls: [...]}.")
+    ] = False,
     quick: Annotated[bool, typer.Option(help="Tiny GPT parity and collectives only (about a minute).")] = False,
 ) -> None:
     """Executed plans vs single-device training (parity), vs the cost model (collectives, stage times), and the
@@ -72,6 +74,19 @@ def bench_executor_command(
             for row in result["ranking"]:
                 ranking.add_row(row["plan"], f"{row['measured_s'] * 1e3:.2f}", f"{row['simulated_s'] * 1e3:.2f}")
             out.print(ranking)
+        if result["controls"]:
+            controls = Table(title="stage times measured two other ways (no model)")
+            for column in ("stage", "ms", "warm / cold", "its layers / it"):
+                controls.add_column(column, justify="left" if column == "stage" else "right")
+            for row in result["controls"]:
+                layers = row.get("layers_over_stage")
+                controls.add_row(
+                    row["name"],
+                    f"{row['stage_ms']:.2f}",
+                    f"{row['warm_over_cold']:.2f}",
+                    "" if layers is None else f"{layers:.2f}",
+                )
+            out.print(controls)
         repeats = [c["repeat_err"] for c in cases if "repeat_err" in c]
         if repeats:
             agree = sum(abs(r) <= 0.15 for r in repeats)

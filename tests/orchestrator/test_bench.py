@@ -92,3 +92,33 @@ def test_bench_planner_json_has_every_field_and_the_ilp_is_never_worse():
             assert baseline is None or row["ilp"]["objective"] <= baseline * (1 + 1e-9)
         if row["preset"] is None:
             assert row["ilp"]["objective"] == pytest.approx(row["exhaustive"], rel=1e-6)
+
+
+def test_bench_executor_prints_its_tables_and_exits_1_on_a_miss(monkeypatch):
+    """The command's printing, on a made-up result (the real run takes minutes: ``_bench.run``)."""
+    import integrations.flax._bench as bench
+
+    result = {
+        "cases": [
+            {"name": "gpt-tiny DP8", "metric": "parity", "ok": True, "loss_rel_err": 1e-7},
+            {"name": "gpt-tiny DP8 stage 0", "metric": "forward+backward s (alone)", "ok": False, "repeat_err": 0.02},
+        ],
+        "ranking": [{"plan": "DP8", "measured_s": 0.015, "simulated_s": 0.016}],
+        "controls": [
+            {"name": "gpt-tiny DP8 stage 0", "stage_ms": 14.7, "warm_over_cold": 1.04, "layers_over_stage": 1.24},
+            {"name": "gpt-tiny 4 stages TP 1/2/4/1 stage 0", "stage_ms": 0.21, "warm_over_cold": 0.69},
+        ],
+    }
+    monkeypatch.setattr(bench, "run", lambda progress=None, quick=False: result)
+    printed = CliRunner().invoke(app, ["bench", "executor"])
+    assert printed.exit_code == 1  # one case missed
+    for text in (
+        "step time: measured vs simulated",
+        "stage times measured two other ways",
+        "1.24",
+        "0.69",
+        "1/2 cases",
+    ):
+        assert text in printed.output
+    as_json = CliRunner().invoke(app, ["bench", "executor", "--json"])
+    assert json.loads(as_json.stdout) == result

@@ -24,6 +24,9 @@ def test_every_stage_of_every_plan_gets_a_case_with_its_rounds(timed):
         assert case["ok"] == (abs(case["rel_err"]) <= 0.15)
         assert len(case["round_errors"]) == 2 and all(math.isfinite(e) for e in case["round_errors"])
         assert math.isfinite(case["repeat_err"]) and case["measured_spread"] >= 0
+        assert len(case["slowdown_rounds"]) == 2 and all(s > 0 for s in case["slowdown_rounds"])
+    # s(1) = 1: the 4-stage plan's first and last stages run on one device each
+    assert cases[1]["slowdown_rounds"] == cases[4]["slowdown_rounds"] == [1.0, 1.0]
 
 
 def test_the_profile_behind_a_prediction_has_every_smaller_batch(timed):
@@ -49,3 +52,42 @@ def test_the_profile_behind_a_prediction_has_every_smaller_batch(timed):
         assert timing.forward_s > 0 and timing.backward_s > 0
     with pytest.raises(ValueError, match="at least one sample"):
         profiler.timings([])
+
+
+def test_controls_time_each_stage_twice_and_sum_its_layers_run_as_stages_on_its_devices(timed):
+    from integrations.flax._controls import control_cases
+
+    su, _ = timed
+    rows = control_cases(su, plans=("2 stages (3+1) x 4 mb",), rounds=2, repeats=2)
+    assert [r["name"] for r in rows] == [f"gpt-tiny 2 stages (3+1) x 4 mb stage {s}" for s in range(2)]
+    for row in rows:
+        assert row["stage_ms"] > 0 and 0 < row["warm_over_cold"] < 10
+    # stage 0 has 3 layers: its layers, run alone as one-layer stages, are summed; stage 1 has one
+    assert 0.3 < rows[0]["layers_over_stage"] < 5
+    assert "layers_over_stage" not in rows[1]
+
+
+def test_one_layer_stages_keep_each_stage_s_devices_and_degrees():
+    from integrations.flax._controls import one_layer_stages
+    from integrations.flax._parity import check_plan
+
+    plan = check_plan("2 stages (3+1) x 4 mb", global_batch=16)
+    split, sizes = one_layer_stages(plan)
+    assert sizes == [3, 1]
+    assert [s.layers for s in split.stages] == [(0,), (1,), (2,), (3,)]
+    for s, parent in zip(split.stages, [0, 0, 0, 1]):
+        original = plan.stages[parent]
+        assert (s.devices, s.tp, s.dp, s.microbatch_size) == (
+            original.devices,
+            original.tp,
+            original.dp,
+            original.microbatch_size,
+        )
+
+
+def test_controls_need_the_host_costs():
+    from integrations.flax._bench import setup
+    from integrations.flax._controls import control_cases
+
+    with pytest.raises(ValueError, match="host=True"):
+        control_cases(setup("gpt-tiny", 16, 8))
