@@ -13,32 +13,35 @@ Three families of cases, each a :class:`~orchestrator.bench._case.Case`-like dic
   step time over several tiny-GPT plans with Kendall's τ between them (target ≥ 0.8).
 
 Predictions use the cost model with this machine's layer times, profiled afresh (never from
-the disk cache: times cached in another session describe another state of the machine). The
-cost model prices one device running alone; on the ``local`` cluster n virtual
-devices share c cores, and the host's own costs are measured (``_host``): the
-slowdown s(k) of k devices busy at once (the recipe's forward and backward on k
-devices against one; one device alone already uses more than one core, so s is not
-max(1, k/c)), the dispatch d(k) of a call to k devices, the host time b per device
-buffer a call moves, and the share β(k) of a multi-device call's run the
-dispatching thread is held for. A stage alone is predicted as
+the disk cache: times cached in another session describe another state of the machine) at the
+batch and at every per-device microbatch the check plans run. The cost model prices one device
+running alone; on the ``local`` cluster n virtual devices share c cores, and the host's own
+costs are measured (``_host``): the slowdown s(k) of k devices busy at once (the recipe's forward
+and backward as one program over k devices against one device; one device alone already uses
+more than one core, so s is not max(1, k/c)), the dispatch d(k) of a call to k devices, the
+wake-up w(k) of a call that follows other devices' work, the host time b per device buffer a
+call moves, and the share β(k) of a multi-device call's run the dispatching thread is held for.
+The profile gives one more: b_p, what cutting a program in two costs on one device (the layers'
+pieces against the whole step's, :meth:`~integrations.flax._profile.LayerProfiler.boundary_seconds`).
+A stage of L layers alone is predicted as
 
-    D = (F + B − X) · s(k) + X · s(tp),   D_f = D · F / (F + B),   D_b = D − D_f
-    t = h_f + max(D_f, h_b) + D_b,        h = d(k) + N_call · b for each of its two calls
+    D = max(0, F + B − (L − 1) · b_p) · s(k),   D_f = D · F / (F + B),   D_b = D − D_f
+    t = h_f + max(D_f, h_b) + D_b,   h_f = d(k) + w(k) + N_f · b,   h_b = d(k) + N_b · b
 
-where X is the part of F + B that does not shrink with the microbatch (the layers' fixed parts,
-profiled at the batch, a quarter and a sixteenth of it; :func:`slowed_seconds` says why it is slowed by
-the tensor-parallel degree only), F and B come from profiled pieces less their own calls' host
-time, and the host prepares the backward while the devices run the forward
-(:func:`predicted_stage_seconds`); the simulated step (F, B: forward and backward with TP
-all-reduces per microbatch, U: optimizer update and gradient sync, all at single-device speed;
-W_s = (F_s + B_s − X_s) · s(k_s) + X_s · s(tp_s); D_k dispatches to k devices and N buffers per
-step, counted on the executor) as
+where F and B come from profiled pieces less their own calls' host time, the stage runs as one
+forward and one backward program where its layers were profiled as L of each
+(:func:`device_seconds`), every part of it is slowed by the k devices sharing the cores
+(:func:`slowed_seconds` says what this replaced), and the host prepares the backward while the
+devices run the forward (:func:`predicted_stage_seconds`). The simulated step (F, B: forward and
+backward with TP all-reduces per microbatch, U: optimizer update and gradient sync, all at
+single-device speed; W_s = D_s of stage s; D_k dispatches to k devices and N buffers per step,
+counted on the executor) is
 
     host = Σ_k D_k · (d(k) + e) + N · b
     held = Σ_s β(k_s) · (M · W_s + s(k_s) · U_s)
-    step = max( pipeline replay of the plan's schedule with stage times W_s,
+    step = max( pipeline replay of the plan's schedule with stage times W_s + w(k_s),
                 host + held,
-                Σ_s k_s · (M · (F_s + B_s − X_s) + U_s) · s(n) / n + host / c )
+                Σ_s k_s · (M · W_s / s(k_s) + U_s) · s(n) / n + host / c )
 
 e is the executor's own host time per dispatch, its Python work around each call, which d(k) (a
 bare jitted call) and b leave out (:func:`executor_seconds`): fitted once per ranking on the
@@ -70,10 +73,12 @@ import jax
 from integrations.flax._host import HostCosts, measure_host_costs
 from integrations.flax._parity import PLAN_NAMES, check_plan, parity
 
-# the layers' times at smaller batches (``profile_layers(fixed_from=...)``): batch / 4 and batch / 16 (at
-# gpt-tiny's 16, 4 samples and 1, the microbatches of the check plans' stages). With 4 alone, the line
-# through 4 and 16 put a sample's forward and backward at 3.4 ms where it takes 2.6 (session 23)
-SMALLER_BATCH_DIVISORS = (4, 16)
+# the layers' times at smaller batches (``profile_layers(fixed_from=...)``): batch / 2, 4, 8 and 16 (at
+# gpt-tiny's 16: 8, 4, 2 and 1 samples, every per-device microbatch of the check plans' stages). With 4
+# alone, the line through 4 and 16 put a sample's forward and backward at 3.4 ms where it takes 2.6
+# (session 23); with 1 and 4, the line between them priced DP8's 2 samples per device 20% above what
+# the stage measured (session 24)
+SMALLER_BATCH_DIVISORS = (2, 4, 8, 16)
 RANK_PLANS = ("DP1", "DP2", "DP8", "TP2", "DP4xTP2", "DP2xTP4", "2 stages (3+1) x 4 mb", "4 stages TP 1/2/4/1")
 
 
@@ -142,9 +147,17 @@ def recalibrated(su: Setup) -> Setup:
     """
     profiler = _layer_profiler(su)
     profiler.sample()  # warm-up: compiles
-    timings = profiler.timings([profiler.sample() for _ in range(5)])
+    samples = [profiler.sample() for _ in range(5)]
     host = measure_host_costs(_gradients(su), su.state.params, su.batch)
-    return dataclasses.replace(su, model=_remodelled(su, timings), host=host)
+    host = dataclasses.replace(host, boundary_s=profiler.boundary_seconds(samples, host_s=_piece_host(host)))
+    return dataclasses.replace(
+        su, model=_remodelled(su, profiler.timings(samples, host_s=_piece_host(host))), host=host
+    )
+
+
+def _piece_host(host: HostCosts) -> Callable[[int], float]:
+    """The host's seconds for a profiled piece's call with n buffers: d(1) + n · b."""
+    return lambda n: host.dispatch(1) + n * host.buffer_s
 
 
 def _layer_profiler(su: Setup):
@@ -161,6 +174,7 @@ def _layer_profiler(su: Setup):
         graph=su.graph,
         layers=su.layers,
         fixed_from=_smaller_batches(su.recipe, abstract, batch, seq_len),
+        boundary=True,
     )
 
 
@@ -175,8 +189,8 @@ def _remodelled(su: Setup, timings):
 
 
 def _stage_costs(plan, su: Setup):
-    """Per stage: (forward s, backward s, update s, send s, fixed s) per device at single-device speed, from
-    the cost model; fixed s is the part of forward + backward that does not shrink with the microbatch."""
+    """Per stage: (forward s, backward s, update s, send s) per device at single-device speed, from the
+    cost model."""
     from orchestrator.costs import ParallelConfig
 
     link = su.model.default_link(su.device_type)
@@ -186,37 +200,44 @@ def _stage_costs(plan, su: Setup):
         config = ParallelConfig(
             tp=tp, dp=stage.dp, microbatch_size=stage.microbatch_size, accumulate_gradients=len(plan.stages) > 1
         )
-        fwd = bwd = upd = fixed = 0.0
+        fwd = bwd = upd = 0.0
         for index in stage.layers:
             cost = su.model.layer_cost(index, su.device_type, config)
             share = cost.tp_comm_s / 2
             fwd += cost.forward_s + share
             bwd += cost.backward_s + share
             upd += cost.optimizer_s + cost.dp_sync_s
-            fixed += cost.fixed_s
         last = su.layers[stage.layers[-1]]
         send = (
             0.0
             if s + 1 == len(plan.stages)
             else link.time_s(last.activation_bytes * stage.microbatch_size / plan.global_batch * stage.dp)
         )
-        out.append((fwd, bwd, upd, send, fixed))
+        out.append((fwd, bwd, upd, send))
     return out
 
 
-def slowed_seconds(work_s: float, fixed_s: float, stage, su: Setup) -> float:
-    """A stage's forward + backward on its k devices busy at once: (work − fixed) · s(k) + fixed · s(tp).
+def device_seconds(work_s: float, stage, su: Setup) -> float:
+    """A stage's forward + backward of one microbatch at one device's speed: its layers' pieces,
+    ``work_s``, less the program boundaries they have and the stage does not (b_p each,
+    ``HostCosts.boundary_s``): the stage runs as one forward and one backward program, its L layers
+    were profiled as L of each, so max(0, work − (L − 1) · b_p)."""
+    return max(0.0, work_s - (len(stage.layers) - 1) * su.host.boundary_s)
 
-    The work that scales with the batch is slowed by all k devices sharing the cores. The fixed
-    part (per-call and per-op costs: on this CPU mostly the hand-offs to and from XLA's thread
-    pool, time in which other devices' work can run) is slowed only by the devices of one
-    tensor-parallel group, which meet at every all-reduce and so take each op's fixed cost
-    together; data-parallel replicas meet once, at the end. A rule read off the measurements
-    (session 20, gpt-tiny: with every fixed part slowed by s(k), DP8 came out −57%; with none, TP8
-    +33%), not derived.
+
+def slowed_seconds(work_s: float, stage, su: Setup) -> float:
+    """A stage's forward + backward on its k devices busy at once: :func:`device_seconds` · s(k).
+
+    Every part is slowed alike: before session 24 the part that does not shrink with the batch (the
+    layers' fixed parts, extrapolated to batch 0) was slowed only by the tensor-parallel degree, a
+    rule read off session 20's measurements. It held the 8-device data-parallel stage but put the
+    data-parallel head (1 sample per device) 47–90% short in every run. What it stood in for was
+    measured in session 24 and is now priced directly: the layers' pieces each pay a program
+    boundary the stage pays once (:func:`device_seconds`), the profile now includes the per-device
+    batches the stages run (a line through 1 and 4 samples priced 2 at 20% more than measured),
+    and s(k) is measured as one program over k devices, as a stage runs (``_host``).
     """
-    tp = stage.tp if su.model.tensor_parallel else 1
-    return (work_s - fixed_s) * su.host.slow(len(stage.devices)) + fixed_s * su.host.slow(tp)
+    return device_seconds(work_s, stage, su) * su.host.slow(len(stage.devices))
 
 
 def predicted_stage_seconds(
@@ -229,9 +250,10 @@ def predicted_stage_seconds(
     it. The host's time for a call is a dispatch to k devices d(k), the executor's own e (0 here
     unless set; the ranking fits it) and b per device buffer the call takes and returns: h_f for
     the forward's ``forward_buffers[s]``, h_b for the backward's (``buffers[s]`` less those; half
-    each when not given). The host prepares the backward while the devices run the forward, so
+    each when not given). The forward, the stage's first call, also waits for its devices' threads
+    to wake, w(k). The host prepares the backward while the devices run the forward, so
 
-        t = h_f + max(D_f, h_b) + D_b.
+        t = h_f + max(D_f, h_b) + D_b,   h_f = d(k) + e + w(k) + N_f · b,   h_b = d(k) + e + N_b · b.
 
     On one run's interleaved samples (session 23) this put 7 of 9 check-plan stages within 15%
     where the sum h_f + h_b + D put 5: the 8-device stages move about 2,200 buffers a call pair,
@@ -239,14 +261,15 @@ def predicted_stage_seconds(
     """
     host = su.host
     out = []
-    for s, (stage, (f, b, _, _, fixed)) in enumerate(zip(plan.stages, _stage_costs(plan, su))):
+    for s, (stage, (f, b, _, _)) in enumerate(zip(plan.stages, _stage_costs(plan, su))):
         k = len(stage.devices)
-        device = slowed_seconds(f + b, fixed, stage, su)
+        device = slowed_seconds(f + b, stage, su)
         device_f = device * f / (f + b) if f + b else 0.0
         n = buffers[s] if buffers else 0
         n_f = forward_buffers[s] if forward_buffers else n / 2
         call = host.dispatch(k) + host.executor_s
-        host_f, host_b = call + n_f * host.buffer_s, call + (n - n_f) * host.buffer_s
+        # the stage's first call comes after other devices' work: its devices' threads wake first
+        host_f, host_b = call + host.wake(k) + n_f * host.buffer_s, call + (n - n_f) * host.buffer_s
         out.append(host_f + max(device_f, host_b) + device - device_f)
     return out
 
@@ -259,22 +282,22 @@ def simulated_step_s(plan, su: Setup, *, dispatches: Mapping[int, int], buffers:
     costs = _stage_costs(plan, su)
     timed = []
     busy = held = 0.0
-    for stage, (f, b, u, send, fixed) in zip(plan.stages, costs):
+    for stage, (f, b, u, send) in zip(plan.stages, costs):
         slow = su.host.slow(len(stage.devices))
-        both = slowed_seconds(f + b, fixed, stage, su)  # forward + backward of one microbatch
+        both = slowed_seconds(f + b, stage, su)  # forward + backward of one microbatch
         held += su.host.blocked(len(stage.devices)) * (plan.microbatches * both + u * slow)
         timed.append(
             dataclasses.replace(
                 stage,
                 forward_s=both * f / (f + b) if f + b else 0.0,
-                time_s=both + 2 * send,
+                time_s=both + su.host.wake(len(stage.devices)) + 2 * send,
                 send_s=send,
                 optimizer_s=u * slow,
                 dp_sync_s=0.0,
             )
         )
-        # the cores' work: the fixed parts are mostly waits, in which other devices run
-        busy += len(stage.devices) * (plan.microbatches * (f + b - fixed) + u)
+        # the cores' work
+        busy += len(stage.devices) * (plan.microbatches * device_seconds(f + b, stage, su) + u)
     replay = schedule_trace(dataclasses.replace(plan, stages=tuple(timed)))
     makespan = max(e["ts"] + e["dur"] for e in replay["traceEvents"] if e["ph"] == "X") / 1e6
     dispatch_s = sum(n * (su.host.dispatch(k) + su.host.executor_s) for k, n in dispatches.items())
@@ -426,7 +449,10 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
     The prediction's measurements and the stage's are interleaved: each of ``repeats`` samples
     runs every layer's profiled pieces once (:class:`~integrations.flax._profile.LayerProfiler`),
     the recipe's forward and backward on 1 and on k devices once for the plan's device counts
-    (:class:`~integrations.flax._host.SlowdownRun`), then each stage once. A plan's prediction
+    (:class:`~integrations.flax._host.SlowdownRun`), then each stage once, each right after that
+    forward and backward ran on all the devices (``SlowdownRun.busy``: the state a stage in a
+    pipeline starts from, whose wake-up w(k) the prediction adds; what ran just before moved the
+    one-device stages by up to 40%, session 24). A plan's prediction
     comes from the medians of its own samples, its measurement from the stages' medians, so both
     see the machine in the same state (profiled in six successive rounds, one block's time went from 12.6 to 6.6 ms
     on the 2-core development machine; interleaved, its ratio to the stage that runs it held to
@@ -446,7 +472,11 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
         for plan_name, plan in built.items()
     }
     slow = SlowdownRun(
-        _gradients(su), su.state.params, su.batch, counts=sorted({k for c in counts.values() for k in c})
+        _gradients(su),
+        su.state.params,
+        su.batch,
+        # all the devices too, for ``busy()``
+        counts=sorted({len(jax.devices())} | {k for c in counts.values() for k in c}),
     )
     runs = {plan_name: StageTimer(plan, su).runs() for plan_name, plan in built.items()}
     profiler.sample(), slow.sample()  # warm-up: compiles
@@ -462,9 +492,13 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
             for _ in range(repeats):
                 layer_samples.append(profiler.sample())
                 slow_samples.append(slow.sample(counts[plan_name]))
-                stage_samples.append([run() for run in stage_runs])
-            host = dataclasses.replace(su.host, slowdown={**su.host.slowdown, **slow.slowdown(slow_samples)})
-            timings = profiler.timings(layer_samples, host_s=lambda n: su.host.dispatch(1) + n * su.host.buffer_s)
+                stage_samples.append([(slow.busy(), run())[1] for run in stage_runs])
+            host = dataclasses.replace(
+                su.host,
+                slowdown={**su.host.slowdown, **slow.slowdown(slow_samples)},
+                boundary_s=profiler.boundary_seconds(layer_samples, host_s=_piece_host(su.host)),
+            )
+            timings = profiler.timings(layer_samples, host_s=_piece_host(su.host))
             now = dataclasses.replace(su, model=_remodelled(su, timings), host=host)
             prediction = predicted_stage_seconds(plan, now, buffers=buffers, forward_buffers=forward_buffers)
             for s, p in enumerate(prediction):

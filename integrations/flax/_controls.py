@@ -5,9 +5,10 @@ alone. These controls measure how far that time itself is from two things any pe
 model rests on, with no model in between:
 
 * **warm over cold**: each sample runs every stage twice back to back; the second run's median
-  over the first's. The first run follows whatever ran before it (other stages, here), as in the
-  timing cases; the second follows itself. A stage for which this ratio is far from 1 has no one
-  time "alone" for a prediction to meet.
+  over the first's. The first run follows the recipe's forward and backward on all the devices
+  (``SlowdownRun.busy``), as in the timing cases; the second follows itself. A stage for which this
+  ratio is far from 1 has no one time "alone" for a prediction to meet: the timing case fixes
+  what runs before it, and the prediction adds the wake-up w(k) that costs.
 * **layers over stage**: a stage of L layers against the sum of its layers, each run alone as a
   one-layer stage on the same devices with the same tensor- and data-parallel degrees and
   microbatch (the same executor, the same calls), less the host time of the 2(L − 1) extra calls
@@ -24,7 +25,10 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 
-from integrations.flax._bench import Setup, StageTimer
+import jax
+
+from integrations.flax._bench import Setup, StageTimer, _gradients
+from integrations.flax._host import SlowdownRun
 from integrations.flax._parity import PLAN_NAMES, check_plan
 
 
@@ -43,6 +47,7 @@ def control_cases(
     if su.host is None:
         raise ValueError("control_cases needs the host's costs: build the setup with setup(..., host=True)")
     batch = su.batch["inputs"].shape[0]
+    slow = SlowdownRun(_gradients(su), su.state.params, su.batch, counts=(len(jax.devices()),))
     timers = {}
     for name in plans:
         plan = check_plan(name, global_batch=batch)
@@ -57,7 +62,7 @@ def control_cases(
                 progress(f"stage controls {su.recipe.name} {name}, round {r + 1} of {rounds}")
             samples = []
             for _ in range(repeats):
-                first_second = [(run(), run()) for run in runs]
+                first_second = [((slow.busy(), run())[1], run()) for run in runs]
                 samples.append((first_second, [run() for run in split_runs]))
             cold[name].append([statistics.median(s[0][i][0] for s in samples) for i in range(len(runs))])
             warm[name].append([statistics.median(s[0][i][1] for s in samples) for i in range(len(runs))])

@@ -1,24 +1,30 @@
-"""What the host adds to a step on virtual CPU devices: dispatches, buffers, and shared cores.
+"""What the host adds to a step on virtual CPU devices: dispatches, buffers, wake-ups and shared cores.
 
-Four measurements on this machine, each a median over repeated runs (the ranges below are
-what session 8 saw on the 2-core development machine):
+Five measurements on this machine, each a median over repeated runs (the ranges below are
+what sessions 8 and 24 saw on the 2-core development machine):
 
 * **dispatch** d(k): one tiny jitted call on inputs already placed on a k-device
   mesh, waited for. It depends on k: 5–9 µs on one device, 57–135 µs on 2, 4
   or 8 (a multi-device program is launched on every device's thread and joined);
+* **wake-up** w(k): what the same tiny call costs more right after the recipe's forward and
+  backward ran on all the devices than right after itself (116–233 µs for k = 1 to 8, session 24).
+  A stage in a pipeline starts after other devices' work, so its first call pays it, and the
+  bench times each stage alone right after that same work (:meth:`SlowdownRun.busy`);
 * **buffer** b: host seconds per device buffer a call takes or returns (one
   call over 64 arrays against one over a single array; 0.8–1.5 µs);
 * **blocking** β(k): the share of a multi-device program's run the dispatching
   thread is held for, beyond d(k) (a chain of 512² matmuls on k devices: 0.5–0.8
   of the run on 2, 4 and 8 devices, 0.01–0.03 on one), so a pipeline's host
   issues its next call only after β × the last one's time;
-* **slowdown** s(k): a workload (the bench gives the recipe's forward and
-  backward) run on k devices at once, each on its own copy of the arguments,
-  against one device alone. The ``local`` cluster's devices share the host's c
-  cores, but one device alone already uses more than one core (XLA:CPU's
-  intra-op threads), so s(k) is not max(1, k/c): measured for tiny GPT's forward
-  and backward at batch 16 × 64, s = 1.3–1.6, 2.2–2.8 and 4.3–5.2 at k = 2, 4
-  and 8 with c = 2, where max(1, k/c) says 1, 2 and 4.
+* **slowdown** s(k): a workload (the bench gives the recipe's forward and backward) run as
+  one program over k devices, each device on its own copy of the arguments (``jax.shard_map``),
+  against one device alone. The ``local`` cluster's devices share the host's c cores, but one
+  device alone already uses more than one core (XLA:CPU's intra-op threads), so s(k) is not
+  max(1, k/c): measured for tiny GPT's forward and backward at batch 16 × 64, s = 1.45–1.6,
+  2.6–2.7 and 5.1–5.2 at k = 2, 4 and 8 with c = 2 (session 24), where max(1, k/c) says 1, 2
+  and 4. It is one program over k devices because that is how a stage runs: k separate
+  one-device programs dispatched in a loop measured s(8) = 6.0–7.0 in the same session, and
+  the 8-device stages then came out 20–30% faster than predicted.
 
 A stage whose k devices run alone then takes s(k) × its single-device time.
 """
@@ -27,7 +33,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import jax
@@ -43,10 +50,17 @@ class HostCosts:
     blocking: dict[int, float]  # by mesh size
     slowdown: dict[int, float]  # by number of devices busy at once
     executor_s: float = 0.0  # the executor's own host seconds per dispatch (``_bench.executor_seconds``)
+    wake_s: dict[int, float] = field(default_factory=dict)  # by mesh size; 0 where not measured
+    # the cost of cutting one program in two on one device (``LayerProfiler.boundary_seconds``)
+    boundary_s: float = 0.0
 
     def dispatch(self, devices: int) -> float:
         """d(k), from the nearest measured mesh size at or above ``devices``."""
         return _at_or_above(self.dispatch_s, devices)
+
+    def wake(self, devices: int) -> float:
+        """w(k), from the nearest measured mesh size at or above ``devices`` (0 if none was measured)."""
+        return _at_or_above(self.wake_s, devices) if self.wake_s else 0.0
 
     def blocked(self, devices: int) -> float:
         """β(k), from the nearest measured mesh size at or above ``devices``."""
@@ -119,27 +133,34 @@ def buffer_seconds(repeats: int = 30) -> float:
 
 
 class SlowdownRun:
-    """``step(*args)`` jitted once, its own copy of the arguments on each device, timed one round
-    at a time: a round (:meth:`sample`) runs it on 1 device and then on k devices at once for each
-    k in ``counts``. Rounds can be interleaved with other measurements (``_bench.timing_cases``)."""
+    """``step(*args)`` as one program over k devices, each device on its own copy of the arguments
+    (``jax.shard_map`` over a leading axis of k copies), compiled once per k in ``counts`` and for
+    one device, and timed one round at a time: a round (:meth:`sample`) runs it on 1 device and then
+    on k devices for each k. Rounds can be interleaved with other measurements
+    (``_bench.timing_cases``)."""
 
     def __init__(self, step, *args, counts=MESH_SIZES):
         self.counts = [k for k in counts if 1 < k <= len(jax.devices())]
-        self.jitted = jax.jit(step)
-        self.copies = [jax.device_put(args, device) for device in jax.devices()[: max(self.counts, default=1)]]
+        self.programs = {k: _on_each_device(step, args, k) for k in [1, *self.counts]}
 
     def seconds(self, k: int) -> float:
-        """Wall seconds of one run on the first ``k`` devices at once, waited for."""
+        """Wall seconds of one run on the first ``k`` devices, waited for."""
+        program, copies = self.programs[k]
         start = time.perf_counter()
-        jax.block_until_ready([self.jitted(*copy) for copy in self.copies[:k]])
+        jax.block_until_ready(program(*copies))
         return time.perf_counter() - start
+
+    def busy(self) -> None:
+        """One untimed run on all of the run's devices (its largest count), waited for: the state a
+        stage in a pipeline starts from, other devices' work just done."""
+        program, copies = self.programs[max(self.programs)]
+        jax.block_until_ready(program(*copies))
 
     def sample(self, counts=None) -> dict[int, float]:
         """One round: seconds by device count, 1 and each of ``counts`` (default: all the run's).
 
         Each count runs twice back to back and the second run is timed, so that it does not start
-        cold after whatever ran before it in the sample. (Session 23's two bench runs measured
-        s(k) this way; what it changes alone was not measured.)"""
+        cold after whatever ran before it in the sample."""
         wanted = self.counts if counts is None else [k for k in self.counts if k in set(counts)]
         return {k: (self.seconds(k), self.seconds(k))[1] for k in [1, *wanted]}
 
@@ -149,25 +170,74 @@ class SlowdownRun:
         return {k: statistics.median(s[k] for s in samples) / alone for k in self.counts if k in samples[0]}
 
 
-def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, float]:
-    """s(k) for each k in ``counts``: ``step(*args)`` jitted on each of k devices at once, its
-    own copy of the arguments on each, median wall time over the time of one device alone."""
-    from orchestrator.profile import median_seconds
+def _on_each_device(step, args, k: int):
+    """(program, its arguments): ``step`` jitted over the first k devices, each running it on its own
+    copy of ``args`` (stacked on a leading axis split over the devices); compiled and run once."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    run = SlowdownRun(step, *args, counts=counts)
-    if not run.counts:  # s(1) = 1 by definition
+    mesh = jax.make_mesh((k,), ("copy",), devices=jax.devices()[:k])
+    copies = jax.device_put(
+        jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (k, *np.shape(a))), args), NamedSharding(mesh, P("copy"))
+    )
+
+    def each(*stacked):
+        out = step(*jax.tree.map(lambda a: a[0], stacked))
+        return jax.tree.map(lambda a: a[None], out)
+
+    program = jax.jit(jax.shard_map(each, mesh=mesh, in_specs=P("copy"), out_specs=P("copy")))
+    jax.block_until_ready(program(*copies))
+    return program, copies
+
+
+def slowdown(step, *args, counts=MESH_SIZES, repeats: int = 9) -> dict[int, float]:
+    """s(k) for each k in ``counts``: ``step(*args)`` as one program over k devices, each on its own
+    copy of the arguments (:class:`SlowdownRun`), median wall time over that of one device alone."""
+    counts = [k for k in counts if 1 < k <= len(jax.devices())]
+    if not counts:  # s(1) = 1 by definition
         return {}
-    alone = median_seconds(lambda: run.seconds(1), repeats=repeats, warmup=2)
-    return {k: median_seconds(lambda k=k: run.seconds(k), repeats=repeats, warmup=2) / alone for k in run.counts}
+    return slowdown_of(SlowdownRun(step, *args, counts=counts), repeats=repeats)
+
+
+def slowdown_of(run: SlowdownRun, repeats: int = 9) -> dict[int, float]:
+    """s(k) for each of ``run``'s counts from ``repeats`` rounds after two warm-up rounds."""
+    if not run.counts:
+        return {}
+    run.sample(), run.sample()
+    return run.slowdown([run.sample() for _ in range(repeats)])
+
+
+def wake_seconds(devices: int, busy: Callable[[], object], repeats: int = 20) -> float:
+    """w(k): a tiny jitted call on ``devices`` devices right after ``busy()`` (waited for) against
+    the same call right after itself, difference of the medians (at least 0).
+
+    After the recipe's forward and backward on all 8 devices the call took 123–233 µs more than
+    after itself (session 24). How much depends on what ran before: the 4-device run the bench
+    happened to time before a one-device stage cost it about half as much, so the timing case runs
+    the same ``busy()`` before every stage it times."""
+    x = _placed(devices, 1, 8, 0.0)
+    tiny = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(tiny(x))
+    cold, warm = [], []
+    for _ in range(repeats):
+        jax.block_until_ready(busy())
+        for times in (cold, warm):
+            start = time.perf_counter()
+            jax.block_until_ready(tiny(x))
+            times.append(time.perf_counter() - start)
+    return max(0.0, statistics.median(cold) - statistics.median(warm))
 
 
 def measure_host_costs(step, *args) -> HostCosts:
-    """d(k) and β(k) for every mesh size up to the local device count, b, and s(k) for ``step(*args)``."""
+    """d(k), w(k) and β(k) for every mesh size up to the local device count, b, and s(k) for
+    ``step(*args)`` (w(k) after ``step`` ran on all the devices)."""
     sizes = [k for k in MESH_SIZES if k <= len(jax.devices())]
     dispatch_s = {k: dispatch_seconds(k) for k in sizes}
+    run = SlowdownRun(step, *args, counts=sizes)
     return HostCosts(
         dispatch_s=dispatch_s,
         buffer_s=buffer_seconds(),
         blocking={k: blocking_share(k, dispatch_s[k]) for k in sizes},
-        slowdown=slowdown(step, *args, counts=sizes),
+        slowdown=slowdown_of(run),
+        wake_s={k: wake_seconds(k, run.busy) for k in sizes},
     )

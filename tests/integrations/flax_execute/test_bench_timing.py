@@ -42,9 +42,16 @@ def test_the_profile_behind_a_prediction_has_every_smaller_batch(timed):
         graph=su.graph,
         layers=su.layers,
         fixed_from=[(abstract, su.recipe.batch_spec(16 // d, 8)) for d in SMALLER_BATCH_DIVISORS],
+        boundary=True,
     )
-    samples = [profiler.sample() for _ in range(2)]
+    profiler.sample()  # compiles
+    samples = [profiler.sample() for _ in range(3)]
     timings = profiler.timings(samples)
+    # the whole step's forward and backward at the smallest batch, against its 4 layers' pieces there
+    assert sorted(profiler.whole) == [("backward", 1 / 16), ("forward", 1 / 16)]
+    assert 0 <= profiler.boundary_seconds(samples) < 0.05
+    host_s = profiler.boundary_seconds(samples, host_s=lambda n: 1e-5 + n * 1e-6)
+    assert 0 <= host_s < 0.05
     assert len(timings) == len({layer.signature for layer in su.layers})
     for timing in timings.values():
         assert [r for r, _ in timing.forward_at] == sorted(1 / d for d in SMALLER_BATCH_DIVISORS)
@@ -91,3 +98,15 @@ def test_controls_need_the_host_costs():
 
     with pytest.raises(ValueError, match="host=True"):
         control_cases(setup("gpt-tiny", 16, 8))
+
+
+def test_the_boundary_needs_the_whole_step_and_every_layer(timed):
+    from integrations.flax._profile import LayerProfiler
+
+    su, _ = timed
+    args = (su.recipe.abstract_state(), su.recipe.batch_spec(16, 8))
+    plain = LayerProfiler(su.recipe.train_step, *args, graph=su.graph, layers=su.layers)
+    with pytest.raises(ValueError, match="boundary=True"):
+        plain.boundary_seconds([plain.sample()])
+    with pytest.raises(ValueError, match="every layer"):
+        LayerProfiler(su.recipe.train_step, *args, graph=su.graph, layers=su.layers, signatures=set(), boundary=True)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from integrations.flax._host import HostCosts, blocking_share, dispatch_seconds, slowdown
+from integrations.flax._host import HostCosts, blocking_share, dispatch_seconds, slowdown, wake_seconds
 
 
 def costs(**slowdown_by_k) -> HostCosts:
@@ -25,8 +25,13 @@ def test_slowdown_is_interpolated_between_measured_counts_and_proportional_beyon
     assert host.slow(16) == pytest.approx(10.0)
 
 
-def test_dispatch_and_blocking_take_the_next_measured_mesh_size():
+def test_dispatch_wake_and_blocking_take_the_next_measured_mesh_size():
+    import dataclasses
+
     host = costs(k2=1.5)
+    assert host.wake(4) == 0.0  # not measured
+    host = dataclasses.replace(host, wake_s={1: 100e-6, 8: 200e-6})
+    assert host.wake(1) == 100e-6 and host.wake(2) == 200e-6
     assert host.dispatch(1) == 5e-6
     assert host.dispatch(4) == 120e-6  # no 4 measured: the next size up
     assert host.dispatch(16) == 120e-6  # beyond the largest: the largest
@@ -42,7 +47,10 @@ def test_eight_devices_on_the_shared_cores_run_slower_than_one_alone():
     assert s[8] > 2 and s[8] > s[2]
 
 
-def test_measured_dispatch_and_blocking_are_plausible():
+def test_measured_dispatch_wake_and_blocking_are_plausible():
+    busy = jax.jit(lambda x: (x @ x) @ x)
+    x = jnp.ones((256, 256), jnp.float32)
+    assert 0 <= wake_seconds(2, lambda: busy(x), repeats=5) < 0.05
     assert 0 < dispatch_seconds(1, repeats=20) < 5e-3
     assert 0 <= blocking_share(2, dispatch_seconds(2, repeats=20), n=128, repeats=5) <= 1
     assert len(jax.devices()) >= 8
@@ -63,30 +71,26 @@ def test_self_agreement_compares_odd_rounds_with_even_ones():
         self_agreement([1.0])
 
 
-def test_a_stages_fixed_part_is_slowed_by_its_tensor_parallel_group_only():
+def test_a_stage_pays_one_program_boundary_less_per_extra_layer_and_is_slowed_by_its_device_count():
     import dataclasses
 
-    from integrations.flax._bench import Setup, slowed_seconds
+    from integrations.flax._bench import Setup, device_seconds, slowed_seconds
     from integrations.flax._parity import check_plan
 
-    host = costs(k2=1.5, k4=2.5, k8=5.0)
-
-    class Model:
-        tensor_parallel = True
-
-    su = Setup(None, None, None, Model(), "cpu", 2, None, {}, {}, host)
-    [dp8] = check_plan("DP8", global_batch=16).stages
-    [tp8] = check_plan("TP8", global_batch=16).stages
-    [dp2tp4] = check_plan("DP2xTP4", global_batch=16).stages
-    assert slowed_seconds(3.0, 1.0, dp8, su) == pytest.approx(2.0 * 5.0 + 1.0)
-    assert slowed_seconds(3.0, 1.0, tp8, su) == pytest.approx(3.0 * 5.0)
-    assert slowed_seconds(3.0, 1.0, dp2tp4, su) == pytest.approx(2.0 * 5.0 + 2.5)
-    # a model without axis names runs TP = 1: nothing is split, nothing meets
-    su_plain = dataclasses.replace(su, model=type("M", (), {"tensor_parallel": False})())
-    assert slowed_seconds(3.0, 1.0, tp8, su_plain) == pytest.approx(2.0 * 5.0 + 1.0)
+    host = dataclasses.replace(costs(k2=1.5, k4=2.5, k8=5.0), boundary_s=0.25)
+    su = Setup(None, None, None, None, "cpu", 2, None, {}, {}, host)
+    [dp8] = check_plan("DP8", global_batch=16).stages  # 4 layers on 8 devices
+    first, head = check_plan("2 stages (3+1) x 4 mb", global_batch=16).stages  # 3 layers on 4, 1 layer on 4
+    assert device_seconds(3.0, dp8, su) == pytest.approx(3.0 - 3 * 0.25)
+    assert slowed_seconds(3.0, dp8, su) == pytest.approx((3.0 - 3 * 0.25) * 5.0)
+    assert slowed_seconds(3.0, first, su) == pytest.approx((3.0 - 2 * 0.25) * 2.5)
+    assert slowed_seconds(3.0, head, su) == pytest.approx(3.0 * 2.5)  # one layer: no boundary saved
+    assert device_seconds(0.5, dp8, su) == 0.0  # never below nothing
 
 
 def test_the_host_prepares_the_backward_while_the_devices_run_the_forward(monkeypatch):
+    import dataclasses
+
     import integrations.flax._bench as bench
     from integrations.flax._bench import Setup, predicted_stage_seconds
     from integrations.flax._parity import check_plan
@@ -97,7 +101,7 @@ def test_the_host_prepares_the_backward_while_the_devices_run_the_forward(monkey
     su = Setup(None, None, None, Model(), "cpu", 2, None, {}, {}, costs(k2=1.5, k4=2.5, k8=5.0))
     plan = check_plan("DP8", global_batch=16)
     # forward 1 ms, backward 3 ms at one device's speed, no fixed part: D = 4 ms · s(8) = 20 ms, D_f = 5 ms
-    monkeypatch.setattr(bench, "_stage_costs", lambda plan, su: [(1e-3, 3e-3, 0.0, 0.0, 0.0)])
+    monkeypatch.setattr(bench, "_stage_costs", lambda plan, su: [(1e-3, 3e-3, 0.0, 0.0)])
     call = 120e-6  # d(8)
     # a short backward call: hidden behind the forward's 5 ms on the devices
     [t] = predicted_stage_seconds(plan, su, buffers=[3000], forward_buffers=[1000])
@@ -105,3 +109,7 @@ def test_the_host_prepares_the_backward_while_the_devices_run_the_forward(monkey
     # a backward call longer than the forward's device time: the devices wait for it
     [t] = predicted_stage_seconds(plan, su, buffers=[9000], forward_buffers=[1000])
     assert t == pytest.approx(call + 1000e-6 + (call + 8000e-6) + 15e-3)
+    # the first call waits for its devices' threads to wake
+    woken = dataclasses.replace(su, host=dataclasses.replace(su.host, wake_s={8: 200e-6}))
+    [t] = predicted_stage_seconds(plan, woken, buffers=[3000], forward_buffers=[1000])
+    assert t == pytest.approx(call + 200e-6 + 1000e-6 + 20e-3)
