@@ -37,9 +37,9 @@ backward with TP all-reduces per microbatch, U: optimizer update and gradient sy
 single-device speed; W_s = D_s of stage s; D_k dispatches to k devices and N buffers per step,
 counted on the executor) is
 
-    host = Σ_k D_k · (d(k) + e) + N · b
+    host = Σ_k D_k · (d(k) + e) + N · b + Σ_s w(k_s)
     held = Σ_s β(k_s) · (M · W_s + s(k_s) · U_s)
-    step = max( pipeline replay of the plan's schedule with stage times W_s + w(k_s),
+    step = max( pipeline replay of the plan's schedule with stage times W_s,
                 host + held,
                 Σ_s k_s · (M · W_s / s(k_s) + U_s) · s(n) / n + host / c )
 
@@ -290,7 +290,7 @@ def simulated_step_s(plan, su: Setup, *, dispatches: Mapping[int, int], buffers:
             dataclasses.replace(
                 stage,
                 forward_s=both * f / (f + b) if f + b else 0.0,
-                time_s=both + su.host.wake(len(stage.devices)) + 2 * send,
+                time_s=both + 2 * send,
                 send_s=send,
                 optimizer_s=u * slow,
                 dp_sync_s=0.0,
@@ -301,7 +301,8 @@ def simulated_step_s(plan, su: Setup, *, dispatches: Mapping[int, int], buffers:
     replay = schedule_trace(dataclasses.replace(plan, stages=tuple(timed)))
     makespan = max(e["ts"] + e["dur"] for e in replay["traceEvents"] if e["ph"] == "X") / 1e6
     dispatch_s = sum(n * (su.host.dispatch(k) + su.host.executor_s) for k, n in dispatches.items())
-    host = dispatch_s + buffers * su.host.buffer_s
+    # each stage's first call of the step follows other devices' work: its devices wake, once a step
+    host = dispatch_s + buffers * su.host.buffer_s + sum(su.host.wake(len(stage.devices)) for stage in plan.stages)
     everyone = len(jax.devices())
     return max(makespan, host + held, busy * su.host.slow(everyone) / everyone + host / su.cores)
 
