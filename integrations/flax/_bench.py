@@ -10,7 +10,9 @@ Three families of cases, each a :class:`~orchestrator.bench._case.Case`-like dic
 * **timing** — every stage's forward + backward of one microbatch run alone vs its
   prediction (15%): the cost model's device time, slowed as below, plus the host's two
   dispatches and the buffers the two calls move (d and b below); and measured vs simulated
-  step time over several tiny-GPT plans with Kendall's τ between them (target ≥ 0.8).
+  step time over several tiny-GPT plans with Kendall's τ between them (target ≥ 0.8). The
+  timing comes with two controls that use no model (``_controls``): each stage warm against cold,
+  and its layers run as one-layer stages on its devices, summed, against it.
 
 Predictions use the cost model with this machine's layer times, profiled afresh (never from
 the disk cache: times cached in another session describe another state of the machine) at the
