@@ -7,7 +7,7 @@ what sessions 8 and 24 saw on the 2-core development machine):
   mesh, waited for. It depends on k: 5–9 µs on one device, 57–135 µs on 2, 4
   or 8 (a multi-device program is launched on every device's thread and joined);
 * **wake-up** w(k): what the same tiny call costs more right after the recipe's forward and
-  backward ran on all the devices than right after itself (116–233 µs for k = 1 to 8, session 24).
+  backward ran on all the devices than right after itself (114–233 µs for k = 1 to 8, session 24).
   A stage in a pipeline starts after other devices' work, so its first call pays it, and the
   bench times each stage alone right after that same work (:meth:`SlowdownRun.busy`);
 * **buffer** b: host seconds per device buffer a call takes or returns (one
@@ -211,10 +211,10 @@ def wake_seconds(devices: int, busy: Callable[[], object], repeats: int = 20) ->
     """w(k): a tiny jitted call on ``devices`` devices right after ``busy()`` (waited for) against
     the same call right after itself, difference of the medians (at least 0).
 
-    After the recipe's forward and backward on all 8 devices the call took 123–233 µs more than
-    after itself (session 24). How much depends on what ran before: the 4-device run the bench
-    happened to time before a one-device stage cost it about half as much, so the timing case runs
-    the same ``busy()`` before every stage it times."""
+    After the recipe's forward and backward on all 8 devices the call took 114–233 µs more than
+    after itself (session 24). What ran before matters: gpt-tiny's one-device embedding stage
+    measured 0.25 ms right after a 4-device run and 0.27–0.36 ms right after the 8-device one, so
+    the timing case runs the same ``busy()`` before every stage it times."""
     x = _placed(devices, 1, 8, 0.0)
     tiny = jax.jit(lambda x: x + 1)
     jax.block_until_ready(tiny(x))
