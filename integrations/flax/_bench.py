@@ -233,7 +233,7 @@ def slowed_seconds(work_s: float, stage, su: Setup) -> float:
     Every part is slowed alike: before session 24 the part that does not shrink with the batch (the
     layers' fixed parts, extrapolated to batch 0) was slowed only by the tensor-parallel degree, a
     rule read off session 20's measurements. It held the 8-device data-parallel stage but put the
-    data-parallel head (1 sample per device) 47–90% short in every run. What it stood in for was
+    data-parallel head (1 sample per device) 47–96% short in every run. What it stood in for was
     measured in session 24 and is now priced directly: the layers' pieces each pay a program
     boundary the stage pays once (:func:`device_seconds`), the profile now includes the per-device
     batches the stages run (a line through 1 and 4 samples priced 2 at 20% more than measured),
