@@ -455,7 +455,7 @@ def timing_cases(su: Setup, progress=None, *, plans=PLAN_NAMES, rounds: int = 8,
     (:class:`~integrations.flax._host.SlowdownRun`), then each stage once, each right after that
     forward and backward ran on all the devices (``SlowdownRun.busy``: the state a stage in a
     pipeline starts from, whose wake-up w(k) the prediction adds; what ran just before moved the
-    one-device stages by up to 40%, session 24). A plan's prediction
+    one-device embedding stage from 0.25 to 0.27–0.36 ms, session 24). A plan's prediction
     comes from the medians of its own samples, its measurement from the stages' medians, so both
     see the machine in the same state (profiled in six successive rounds, one block's time went from 12.6 to 6.6 ms
     on the 2-core development machine; interleaved, its ratio to the stage that runs it held to
