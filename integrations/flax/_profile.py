@@ -130,16 +130,14 @@ class LayerProfiler:
                 progress(layer.name)
             for sliced, step_layers, ratio in steps:
                 for phase in PHASES if ratio == 1.0 else ("forward", "backward"):
-                    self.runs[(signature, phase, ratio)] = _piece_run(sliced, step_layers[index], phase)
+                    self.runs[(signature, phase, ratio)] = _piece_run(sliced, step_layers[index].ops, phase)
         # by (phase, batch ratio): the whole step's phase as one piece, at the smallest batch
         self.whole: dict[tuple[str, float], PieceRun] = {}
         if boundary:
             sliced, step_layers, ratio = steps[1] if smaller else steps[0]
             every_op = [op for layer in step_layers for op in layer.ops]
             for phase in ("forward", "backward"):
-                ops = sliced.layer_phase_ops(every_op, (phase,))
-                closed, avals = sliced.piece(ops)
-                self.whole[(phase, ratio)] = PieceRun(closed, avals, donate=sliced.reusable_inputs(ops, closed))
+                self.whole[(phase, ratio)] = _piece_run(sliced, every_op, phase)
 
     def sample(self) -> dict[tuple[str, str, float], float]:
         """One run of every piece: seconds by (signature, phase, batch / the profile's batch); 0 for
@@ -165,17 +163,12 @@ class LayerProfiler:
         if not samples:
             raise ValueError("LayerProfiler.boundary_seconds needs at least one sample")
 
-        def median(key, run) -> float:
-            seconds = float(np.median([s[key] for s in samples]))
-            return max(0.0, seconds - host_s(run.buffers)) if host_s else seconds
-
         pieces = whole = 0.0
         for (phase, ratio), run in self.whole.items():
-            whole += median((WHOLE, phase, ratio), run)
+            whole += _median_less_host(samples, (WHOLE, phase, ratio), run, host_s)
             for signature, count in self.layer_counts.items():
-                piece = self.runs[(signature, phase, ratio)]
-                if piece is not None:
-                    pieces += count * median((signature, phase, ratio), piece)
+                key = (signature, phase, ratio)
+                pieces += count * _median_less_host(samples, key, self.runs[key], host_s)
         cuts = sum(self.layer_counts.values()) - 1
         return max(0.0, (pieces - whole) / cuts) if cuts else 0.0
 
@@ -191,8 +184,7 @@ class LayerProfiler:
             raise ValueError("LayerProfiler.timings needs at least one sample")
         median = {}
         for key, run in self.runs.items():
-            seconds = float(np.median([s[key] for s in samples]))
-            median[key] = max(0.0, seconds - host_s(run.buffers)) if host_s and run is not None else seconds
+            median[key] = _median_less_host(samples, key, run, host_s)
         out = {}
         for signature, name in self.names.items():
             smaller = {}
@@ -221,9 +213,16 @@ def _as_list(fixed_from) -> list[tuple]:
     return list(fixed_from) if isinstance(fixed_from, list) else [fixed_from]
 
 
-def _piece_run(sliced: SlicedStep, layer, phase: str) -> PieceRun | None:
-    """``layer``'s ``phase`` as one compiled piece (None for an empty phase)."""
-    ops = sliced.layer_phase_ops(layer.ops, (phase,))
+def _median_less_host(samples, key, run: PieceRun | None, host_s: Callable[[int], float] | None) -> float:
+    """The median of ``key`` over ``samples``, less ``host_s`` of the piece's buffers (at least 0);
+    an empty phase (``run`` None) is 0 in every sample."""
+    seconds = float(np.median([s[key] for s in samples]))
+    return max(0.0, seconds - host_s(run.buffers)) if host_s and run is not None else seconds
+
+
+def _piece_run(sliced: SlicedStep, layer_ops, phase: str) -> PieceRun | None:
+    """The ``phase`` ops among ``layer_ops`` as one compiled piece (None for an empty phase)."""
+    ops = sliced.layer_phase_ops(layer_ops, (phase,))
     if not ops:
         return None
     closed, avals = sliced.piece(ops)
