@@ -1,9 +1,9 @@
 """``PlanReporter``: log the plan and write it, with a predicted schedule trace, when training starts.
 
 The trace is the plan's schedule replayed with its predicted times: stage s
-runs its (F | B, microbatch) list in order (GPipe: all forwards then all
-backwards; 1F1B: ``min(S − s − 1, M)`` warm-up forwards, then alternating),
-where
+runs its (F | B, microbatch) list in the order :func:`orchestrator.simulate.stage_order`
+gives (GPipe: all forwards then all backwards; 1F1B: ``min(S − s − 1, M)`` warm-up
+forwards, then alternating), where
 
     start F(s, m) = max(end of s's previous op, end F(s−1, m) + send_{s−1})
     start B(s, m) = max(end of s's previous op, end B(s+1, m) + send_s)
@@ -21,29 +21,24 @@ import logging
 from pathlib import Path
 
 from integrations.callbacks._base import Callback
+from orchestrator.simulate import stage_order
 
 log = logging.getLogger("orchestrator.executor")
 
 
-def _orders(stages: int, microbatches: int, schedule: str) -> list[list[tuple[str, int]]]:
-    orders = []
-    for s in range(stages):
-        if schedule == "gpipe":
-            orders.append([("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)])
-            continue
-        warm = min(stages - s - 1, microbatches)
-        seq = [("F", m) for m in range(warm)]
-        for m in range(warm, microbatches):
-            seq += [("F", m), ("B", m - warm)]
-        seq += [("B", m) for m in range(microbatches - warm, microbatches)]
-        orders.append(seq)
-    return orders
+def _orders(plan) -> list[list[tuple[str, int]]]:
+    """Per stage, its ("F" | "B", microbatch) steps in the order :func:`orchestrator.simulate.stage_order` gives."""
+    n = len(plan.stages)
+    return [
+        [("F" if phase == "forward" else "B", mb) for phase, mb in stage_order(plan.schedule, n, plan.microbatches, s)]
+        for s in range(n)
+    ]
 
 
 def schedule_trace(plan) -> dict:
     """The plan's predicted schedule as a Chrome trace (``{"traceEvents": [...]}``); see module docstring."""
-    n, m = len(plan.stages), plan.microbatches
-    orders = _orders(n, m, plan.schedule)
+    n = len(plan.stages)
+    orders = _orders(plan)
     end: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * n
     position = [0] * n

@@ -26,9 +26,10 @@ it owns (other leaves masked out as ``None``), which equals the single-program
 update for any optimizer that acts leaf by leaf (AdamW, SGD, Adam; not a global
 gradient-norm clip).
 
-**Schedule.** GPipe: each stage runs all forwards, then all backwards. 1F1B:
-stage s runs ``min(S − s − 1, M)`` warm-up forwards, then alternates one
-forward and one backward, then drains. The per-stage lists are merged into one
+**Schedule.** Each stage runs its forwards and backwards in the order
+:func:`orchestrator.simulate.stage_order` gives, the one the simulator replays
+(GPipe: all forwards, then all backwards; 1F1B: ``min(S − s − 1, M)`` warm-up
+forwards, then one forward and one backward in turn, then the drain). The per-stage lists are merged into one
 dispatch order that respects dependencies; jax dispatches asynchronously, so
 stages on disjoint devices overlap.
 
@@ -61,6 +62,7 @@ from integrations.flax._capture import _key_name, capture, is_param_path, param_
 from integrations.flax._shard import DATA, device_map, leaf_params, param_owners, param_spec, stage_mesh
 from integrations.flax._slice import SlicedStep
 from integrations.flax._transfer import transfer
+from orchestrator.simulate import stage_order
 
 Kind = str  # "param" | "batch" | "act"
 
@@ -199,24 +201,6 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
         consumers = {position[v]: [t for t in range(s + 1, n) if v in reads[t]] for v in outputs if v is not loss_var}
         out.append(StageProgram(index=s, closed=closed, inputs=kinds, outputs=keys, consumers=consumers))
     return out
-
-
-def schedule_order(stages: int, microbatches: int, schedule: str) -> list[list[tuple[str, int]]]:
-    """Per stage, its ("F" | "B", microbatch) sequence under GPipe or 1F1B."""
-    orders = []
-    for s in range(stages):
-        if schedule == "gpipe":
-            orders.append([("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)])
-            continue
-        warm = min(stages - s - 1, microbatches)
-        seq = [("F", m) for m in range(warm)]
-        f, b = warm, 0
-        while f < microbatches:
-            seq += [("F", f), ("B", b)]
-            f, b = f + 1, b + 1
-        seq += [("B", m) for m in range(b, microbatches)]
-        orders.append(seq)
-    return orders
 
 
 def _is_float(aval) -> bool:
@@ -735,7 +719,10 @@ class Pipeline:
                 prev = cts.get((producer, mb, key))
                 cts[(producer, mb, key)] = ct if prev is None else call(_add, prev, ct, stage=producer)
 
-        orders = schedule_order(n, m, plan.schedule)
+        orders = [
+            [("F" if phase == "forward" else "B", mb) for phase, mb in stage_order(plan.schedule, n, m, s)]
+            for s in range(n)
+        ]
         done: set[tuple[str, int, int]] = set()
         needs_forward = [{kind[1] for kind in p.inputs if kind[0] == "act"} for p in programs]
         feeds = [{t for ts in p.consumers.values() for t in ts} for p in programs]

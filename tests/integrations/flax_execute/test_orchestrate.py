@@ -9,7 +9,7 @@ import pytest
 from integrations.callbacks import Checkpointer, PlanReporter, StepTimeDrift, StepTimer, schedule_trace
 from integrations.flax import compile_step, orchestrate, shard
 from integrations.flax._parity import check_plan
-from integrations.flax._pipeline import schedule_order
+from orchestrator.simulate import stage_order
 from recipes import get_recipe, synthetic_batch
 
 
@@ -74,13 +74,15 @@ def test_step_timer_warns_when_the_prediction_is_off():
 def test_schedules_keep_dependencies_and_bound_in_flight_microbatches():
     stages, micro = 4, 6
     for schedule in ("gpipe", "1f1b"):
-        orders = schedule_order(stages, micro, schedule)
+        orders = [stage_order(schedule, stages, micro, s) for s in range(stages)]
         for s, order in enumerate(orders):
-            assert sorted(order) == sorted([("F", m) for m in range(micro)] + [("B", m) for m in range(micro)])
+            assert sorted(order) == sorted(
+                [("forward", m) for m in range(micro)] + [("backward", m) for m in range(micro)]
+            )
             in_flight = peak = 0
             for op, m in order:
-                assert op == "F" or ("F", m) in order[: order.index((op, m))]
-                in_flight += 1 if op == "F" else -1
+                assert op == "forward" or ("forward", m) in order[: order.index((op, m))]
+                in_flight += 1 if op == "forward" else -1
                 peak = max(peak, in_flight)
             assert peak == (micro if schedule == "gpipe" else min(stages - s, micro))
     plan = check_plan("4 stages TP 1/2/4/1", global_batch=16)
