@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from orchestrator.cluster._model import Cluster, DeviceType, Host, Link
+from orchestrator.timing import median_seconds
 
 
 @functools.cache
@@ -30,27 +29,22 @@ def measure_local_device(size: int = 1024, repeats: int = 9) -> tuple[float, flo
 
     The copy (a 32 MiB array scaled in place) donates its input, so each call writes into the
     buffer it read, as the ops inside a compiled step write into buffers the program reuses.
-    Into a fresh output instead, the CPU faults in every page of it on each call: on the 2-core
-    development machine that measured 5.6–6.8 GB/s against 62–88 GB/s donated (session 20), and
-    the roofline then priced elementwise ops, which tensor parallelism repeats on every device,
-    at ten times their cost, so the tensor-parallel stages were predicted 28–40% slower than they ran.
+    Into a fresh output instead, the CPU faults in every page of the output on each call, an
+    order of magnitude slower than the reused buffer; the roofline would then price elementwise
+    ops, which tensor parallelism repeats on every device, far above their cost in a step.
     """
-    from orchestrator.profile._timing import median_seconds  # profile imports costs, which imports cluster
-
     device = jax.devices()[0]
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
     flops = 2 * size**3 / median_seconds(matmul, a)
-    big = jax.device_put(jnp.ones((8 * size, size), jnp.float32), device)
     copy = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
-    seconds = []
-    for i in range(repeats + 2):  # two warm-up calls
-        start = time.perf_counter()
-        big = copy(big)
-        big.block_until_ready()
-        if i >= 2:
-            seconds.append(time.perf_counter() - start)
-    bandwidth = 2 * big.nbytes / statistics.median(seconds)
+    buffer = [jax.device_put(jnp.ones((8 * size, size), jnp.float32), device)]
+
+    def scale_in_place():
+        buffer[0] = copy(buffer[0])
+        return buffer[0]
+
+    bandwidth = 2 * buffer[0].nbytes / median_seconds(scale_in_place, repeats=repeats, warmup=2)
     return flops, bandwidth
 
 

@@ -4,7 +4,7 @@ from orchestrator.costs._collectives import all_gather_s, all_reduce_s, p2p_s, r
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import Liveness, liveness
 from orchestrator.costs._model import CostModel, LayerCost, ParallelConfig
-from orchestrator.costs._roofline import EFFICIENCY_CLASSES, Efficiency, op_time_s
+from orchestrator.costs._roofline import EFFICIENCY_CLASSES, Efficiency, op_terms, op_time_s
 from orchestrator.costs._sharding import (
     DEFAULT_TP_AXES,
     TensorParallelTraits,
@@ -26,6 +26,7 @@ __all__ = [
     "all_reduce_s",
     "batch_independent_ops",
     "liveness",
+    "op_terms",
     "op_time_s",
     "p2p_s",
     "param_role",

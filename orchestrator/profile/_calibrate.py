@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from orchestrator.cluster import DeviceType
-from orchestrator.costs import EFFICIENCY_CLASSES, Efficiency, op_time_s
-from orchestrator.costs._roofline import op_terms
+from orchestrator.costs import EFFICIENCY_CLASSES, Efficiency, op_terms, op_time_s
 from orchestrator.graph import Op
 
 _NAMES = EFFICIENCY_CLASSES
