@@ -18,9 +18,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/orchestrator demo --out demo-out
 
+# ruff, then the import contracts in pyproject.toml ([tool.importlinter]): imports run one way, from the op graph up to the CLI
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 # two workers, one per core of the CI machine; a test file stays on one worker so its
 # module fixtures (compiled steps, trained references) are built once
