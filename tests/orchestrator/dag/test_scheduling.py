@@ -70,8 +70,7 @@ def test_time_limited_milp_is_never_worse_than_heft_and_reports_its_gap():
     found = milp(problem, time_limit_s=2)
     found.validate()
     assert found.makespan <= heft(problem).makespan + 1e-9
-    assert 0 <= found.gap < 1 and found.bound > 0
-    assert found.solve_s < 10
+    assert 0 <= found.gap < 1 and 0 < found.bound <= found.makespan
 
 
 def test_slots_let_a_device_run_jobs_side_by_side():
@@ -99,9 +98,9 @@ def test_bad_problems_are_refused():
 
 
 def test_a_one_second_limit_still_leaves_the_solver_its_time():
-    problem = random_problem(
-        tasks=7, devices=3, ccr=1.0, seed=1
-    )  # the start (HEFT and the search: 193.2) is 7% above the optimum (179.9)
+    problem = random_problem(tasks=7, devices=3, ccr=1.0, seed=1)
+    best = exhaustive(problem)
+    assert heft(problem).makespan > 1.05 * best.makespan  # the start alone is not optimal: the solver must run
     found = milp(problem, time_limit_s=1)
-    assert found.status == "Optimal" and found.solve_s <= 1.0
-    assert found.makespan == pytest.approx(exhaustive(problem).makespan, rel=1e-6)
+    assert found.status == "Optimal"  # HiGHS's own proof, not the bound meeting the start
+    assert found.makespan == pytest.approx(best.makespan, rel=1e-6)
