@@ -1,6 +1,6 @@
 """``orchestrator bench torch``: the PyTorch/XLA path against one device and against the planner.
 
-Runs ``python -m integrations.torch_xla._bench`` in a fresh process (torch_xla
+Runs ``python -m orchestrator.bench._torch`` in a fresh process (torch_xla
 must start with ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES=4`` and an HLO dump
 directory, before any other XLA work) and prints, for DP, TP, DP×TP and DP
 with ZeRO: loss and parameter agreement with eager single-device training,
@@ -132,7 +132,7 @@ def torch_command(
     cmd = [
         sys.executable,
         "-m",
-        "integrations.torch_xla._bench",
+        "orchestrator.bench._torch",
         "--preset",
         preset,
         "--batch",

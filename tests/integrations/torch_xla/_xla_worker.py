@@ -27,7 +27,7 @@ def main() -> None:
             ORCHESTRATOR_HLO_DUMP=dump,
             XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=SyncTensorsGraph.*",
         )
-        from integrations.torch_xla._bench import run
+        from orchestrator.bench._torch import run
         from recipes.torch_gpt import GPTConfig
 
         records = run(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from integrations.torch_xla import PlanNotSupported, StepTimer, apply, fit, partition_spec
-from integrations.torch_xla._bench import _plan
+from orchestrator.bench._torch import _plan
 from integrations.torch_xla._callbacks import Callback
 from orchestrator.planner import Plan
 

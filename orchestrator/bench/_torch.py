@@ -15,7 +15,7 @@ planner prices a reduce-scatter and an all-gather of the gradients, XLA
 emits an all-reduce of the gradients and an all-gather of the updated shards.
 
 torch_xla must not have started in this process: run it as
-``python -m integrations.torch_xla._bench [--json]``, which sets
+``python -m orchestrator.bench._torch [--json]``, which sets
 ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES`` and an HLO dump directory first.
 """
 
