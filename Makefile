@@ -22,7 +22,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports --no-cache
+	$(BIN)/lint-imports --no-cache --no-logo
 
 # two workers, one per core of the CI machine; a test file stays on one worker so its
 # module fixtures (compiled steps, trained references) are built once
