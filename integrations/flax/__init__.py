@@ -7,7 +7,7 @@ from integrations.flax._pipeline import Pipeline, cut_stages
 from integrations.flax._profile import profile_layers
 from integrations.flax._run import DevicesLost, LoseDevices, RunConfig, RunResult, train
 from integrations.flax._shard import shard, stage_mesh, state_shardings
-from integrations.flax._slice import SlicedStep
+from integrations.flax._slice import SlicedStep, piece_flops
 from integrations.flax._step import compile_step
 from integrations.flax._xla import XlaFlops, XlaProgram, hlo_collective_bytes, xla_flops, xla_program
 
@@ -31,6 +31,7 @@ __all__ = [
     "orchestrate",
     "param_logical_axes",
     "parse_name_stack",
+    "piece_flops",
     "profile_layers",
     "shard",
     "stage_mesh",

@@ -128,8 +128,7 @@ def compute_cases(recipe_name: str = "gpt2-small", batch_size: int = 1, progress
     """
     import jax
 
-    from integrations.flax import SlicedStep, capture, profile_layers
-    from integrations.flax._slice import piece_flops
+    from integrations.flax import SlicedStep, capture, piece_flops, profile_layers
     from orchestrator.cluster import load_cluster
     from orchestrator.coarsen import coarsen
     from orchestrator.costs import CostModel, ParallelConfig

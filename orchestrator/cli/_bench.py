@@ -13,10 +13,33 @@ from rich.table import Table
 bench_app = typer.Typer(help="Check predictions against external truth.", no_args_is_help=True)
 
 
+def _print_json(key: str, rows: list) -> None:
+    json.dump({key: rows}, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _run(suite, verb: str, **options) -> list:
+    """``suite(progress=..., **options)`` under a spinner on stderr that names the case it is at."""
+    with Console(stderr=True).status(verb) as status:
+        return suite(progress=lambda name: status.update(f"{verb} {name}"), **options)
+
+
+def _table(title: str, first: str, columns) -> Table:
+    """A table whose first column names the row and whose other columns are right-aligned figures."""
+    table = Table(title=title)
+    table.add_column(first)
+    for column in columns:
+        table.add_column(column, justify="right")
+    return table
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def _report(title: str, cases, as_json: bool) -> None:
     if as_json:
-        json.dump({"cases": [c.to_json() for c in cases]}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _print_json("cases", [c.to_json() for c in cases])
     else:
         table = Table(title=title)
         for column in ("case", "metric", "predicted", "measured", "rel. error", "tolerance", "ok"):
@@ -82,18 +105,14 @@ def dag(
     """MILP makespan, bound and gap vs HEFT, CPOP and (where small) exhaustive search."""
     import statistics
 
-    from orchestrator.bench._dag import run_suite
+    from orchestrator.bench import run_dag_suite
 
-    console = Console(stderr=True)
-    with console.status("scheduling") as status:
-        rows = run_suite(time_limit_s=time_limit_s, quick=quick, progress=lambda n: status.update(f"scheduling {n}"))
+    rows = _run(run_dag_suite, "scheduling", time_limit_s=time_limit_s, quick=quick)
     if as_json:
-        json.dump({"instances": rows}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _print_json("instances", rows)
         return
-    table = Table(title="function-DAG scheduling: MILP vs list schedulers")
-    for column in ("instance", "MILP", "bound", "gap", "s", "HEFT", "CPOP", "exhaustive", "vs HEFT"):
-        table.add_column(column, justify="left" if column == "instance" else "right")
+    columns = ("MILP", "bound", "gap", "s", "HEFT", "CPOP", "exhaustive", "vs HEFT")
+    table = _table("function-DAG scheduling: MILP vs list schedulers", "instance", columns)
     for r in rows:
         m = r["milp"]
         table.add_row(
@@ -127,22 +146,15 @@ def planner(
     """ILP step time, bound and gap vs the baselines and (where small) enumeration."""
     import statistics
 
-    from orchestrator.bench._planner import run_suite
+    from orchestrator.bench import run_planner_suite
 
-    console = Console(stderr=True)
-    with console.status("planning") as status:
-        rows = run_suite(time_limit_s=time_limit_s, quick=quick, progress=lambda n: status.update(f"planning {n}"))
+    rows = _run(run_planner_suite, "planning", time_limit_s=time_limit_s, quick=quick)
     if as_json:
-        json.dump({"instances": rows}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _print_json("instances", rows)
         return
     names = ("uniform", "alpa", "pipedream", "greedy")
-    table = Table(title="planner: ILP vs baselines (predicted step time, s)")
-    for column in ("instance", "ILP", "bound", "gap", "solve s", *names, "exhaustive", "simulated", "vs alpa"):
-        table.add_column(column, justify="left" if column == "instance" else "right")
-
-    def cell(value):
-        return "-" if value is None else f"{value:.4g}"
+    columns = ("ILP", "bound", "gap", "solve s", *names, "exhaustive", "simulated", "vs alpa")
+    table = _table("planner: ILP vs baselines (predicted step time, s)", "instance", columns)
 
     for r in rows:
         ilp = r["ilp"]
@@ -152,13 +164,13 @@ def planner(
         alpa = r["baselines"].get("alpa")
         table.add_row(
             r["name"],
-            cell(ilp["objective"]),
-            cell(ilp["bound"]),
+            _cell(ilp["objective"]),
+            _cell(ilp["bound"]),
             "-" if ilp["gap"] is None else f"{ilp['gap']:.2%}",
             f"{ilp['solve_s']:.1f}",
-            *(cell(r["baselines"].get(n)) for n in names),
-            cell(r["exhaustive"]),
-            cell(r.get("simulated")),
+            *(_cell(r["baselines"].get(n)) for n in names),
+            _cell(r["exhaustive"]),
+            _cell(r.get("simulated")),
             "-" if alpa is None else f"{alpa / ilp['objective']:.3f}×",
         )
     out = Console(width=220)
@@ -186,30 +198,23 @@ def replan_bench(
 ) -> None:
     """Re-planning: cache hits, warm vs cold after losing a host, the migration term, and recovery of real
     training runs; exit 1 on a miss."""
-    from orchestrator.bench._replan import run_suite
-
     if runtime and not quick:
         from orchestrator.cli._executor import _need_devices
 
         _need_devices(8)  # before anything imports jax
-    console = Console(stderr=True)
-    with console.status("re-planning") as status:
-        cases = run_suite(quick=quick, time_limit_s=time_limit_s, runtime=runtime, progress=status.update)
-    if as_json:
-        json.dump({"cases": cases}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        table = Table(title="re-planning: warm vs cold (step times in s)")
-        columns = ("warm_s", "cold_s", "objective_warm", "objective_cold", "gap_cold", "max_abs_diff")
-        for column in ("case", *columns, "ok"):
-            table.add_column(column, justify="left" if column == "case" else "right")
+    from orchestrator.bench import run_replan_suite
 
-        def cell(value):
-            return "-" if value is None else f"{value:.4g}"
+    with Console(stderr=True).status("re-planning") as status:
+        cases = run_replan_suite(quick=quick, time_limit_s=time_limit_s, runtime=runtime, progress=status.update)
+    if as_json:
+        _print_json("cases", cases)
+    else:
+        columns = ("warm_s", "cold_s", "objective_warm", "objective_cold", "gap_cold", "max_abs_diff")
+        table = _table("re-planning: warm vs cold (step times in s)", "case", (*columns, "ok"))
 
         for case in cases:
             ok = "[green]yes[/green]" if case["ok"] else "[red]no[/red]"
-            table.add_row(case["name"], *(cell(case.get(c)) for c in columns), ok)
+            table.add_row(case["name"], *(_cell(case.get(c)) for c in columns), ok)
         Console(width=200).print(table)
     if not all(case["ok"] for case in cases):
         raise typer.Exit(code=1)
