@@ -1,8 +1,8 @@
 """Test set-up: 8 virtual CPU devices stand in for a cluster.
 
 XLA_FLAGS must be set before jax is imported anywhere. The profile cache is a fresh folder per
-test session: a test never reads timings an earlier run on the same machine left behind (one did:
-the Replanner's test planned differently from a stale cache than from a fresh one, as CI has).
+test run: a test never reads timings an earlier run on the same machine left behind, so it plans
+from the same timings as on a fresh clone (a stale cache can change a plan, as the Replanner's does).
 """
 
 import os

@@ -29,31 +29,19 @@ With y[t,d] = Σ_{m ∈ d} x[t,m] and p_t = Σ_m x[t,m] · w[t,d(m)]:
 Big-M values, each the least that keeps every schedule of makespan ≤ U:
 * precedence: in the row of a's own device, S_b ≥ S_a + p_a + (a transfer ≥ 0);
   so in the row of any other device d the transfer term may be switched off by
-  its own largest value, max_{d'} c(a→b, d, d') (it was U + that before).
+  its own largest value, max_{d'} c(a→b, d, d').
 * order: with both on d and j first, S_i + w[i,d] − S_j ≤ (U − Q[i,d]) − H[j,d] =: F_ij;
   elsewhere S_i + w[i,d] − S_j ≤ (latest S_i) + w[i,d] − (earliest S_j) =: G_ij.
   When the windows on d cannot overlap (U − Q[i,d] ≤ H[j,d] or the reverse) the
   head and tail rows already order the two tasks, and both rows are left out.
 
-Measured against the previous form (HEFT + single-task moves as the start,
-U as every big-M, critical-path heads and tails without communication, no
-device pruning, no refutation), back to back on each instance with a 10 s
-limit, load 2.4–4.2 on 2 cores (the previous commit's ``_milp.py`` run beside
-this one on ``random_problem`` instances of ``orchestrator bench dag``):
-
-    instance           gap old → new      makespan old → new     (HEFT)
-    100 × 8, CCR 1     35.5% → 8.4%       893.6 → 858.9          (905.2)
-    50 × 4, CCR 0.5    median 17.0% → 9.7% (7.8–15.4%), median gain over HEFT 0.0% → 7.0%
-    50 × 4, CCR 1      median 22.3% → 14.6% (10.2–21.7%), gain 0.5% → 6.9%
-    50 × 4, CCR 5      median 59.3% → 43.8% (40.5–46.0%), gain 13.0% → 14.2%
-
-Most of it is the bound (:mod:`orchestrator.dag._bounds`) and the start
-(:mod:`orchestrator.dag._local_search`); within 10 s HiGHS itself raised the
-bound by at most 8 on six 50 × 4 instances checked and not at all at 100 × 8, where building the
-model takes ~0.7 s and handing it over ~0.3 s of the budget. Given 240 s
-(before refutation and the new start were added), this model's dual bound
-at 100 × 8 rose from 771.1 at the root to 786.5 after 56 s and stayed there;
-refutation reaches 786 in about 1 s.
+Most of what a time-limited solve certifies comes from the bound
+(:mod:`orchestrator.dag._bounds`, refuting horizons) and the start
+(:mod:`orchestrator.dag._local_search`), which both tighten the model: U fixes
+the big-M constants and prunes devices, LB raises C from below. On large
+instances the MILP itself mostly confirms them within the limit.
+``orchestrator bench dag`` reports each instance's makespan, bound, gap and
+solve time against HEFT and CPOP.
 
 Why continuous-time and not the seed's time-indexed form: its size does not
 grow with the horizon or a time step. Counted for three random 50-task DAGs
@@ -295,9 +283,9 @@ def milp(
             windows = Windows(
                 horizon=horizon, allowed=windows.allowed, head=windows.head, tail=windows.tail, refuted=False
             )
-        # for 100 tasks × 8 devices (37,000 rows) handing the model to HiGHS took 0.3 s,
-        # reading the solution back 0.4 s, and HiGHS overran its limit by 0.3 s (load 5 on 2 cores):
-        # the build leaves 10% of the time, HiGHS stops 3% + 20 µs per row before the deadline
+        # handing a large model to HiGHS and reading its solution back take time HiGHS's own limit
+        # does not count, and HiGHS can overrun that limit: the build leaves 10% of the time, and
+        # HiGHS stops 3% + 20 µs per row before the deadline
         model = _Model(problem, windows, build_deadline=deadline - 0.1 * time_limit_s)
         try:
             model.add_assignment()

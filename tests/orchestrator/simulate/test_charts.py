@@ -1,7 +1,4 @@
-"""The PNG charts: they decode, and their bars and lines are drawn in the colours the legend names.
-
-The images written here were also opened and looked at (see the issue 5 report).
-"""
+"""The PNG charts: they decode, and their bars and lines are drawn in the colours the legend names."""
 
 import io
 import os
