@@ -1,15 +1,35 @@
-"""The README's code runs."""
+"""The README's code runs: the quick start on a user's own Flax model, and the function-DAG example."""
 
+import math
 import re
 from pathlib import Path
 
+README = (Path(__file__).parent.parent / "README.md").read_text()
 
-def test_readme_dag_example_runs_on_dask():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    block = readme[readme.index("Scheduling plain functions") :]
-    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+
+def _first_python_block_after(heading: str) -> str:
+    block = README[README.index(heading) :]
+    return re.search(r"```python\n(.*?)```", block, re.S).group(1)
+
+
+def _run(code: str) -> dict:
     namespace = {"__name__": "__main__"}
     exec(compile(code, "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_readme_quick_start_plans_and_trains_a_flax_model():
+    namespace = _run(_first_python_block_after("Quick start: your own Flax model"))
+    run = namespace["run"]
+    assert run.steps_done == 3
+    layers = sorted(i for stage in run.plan.stages for i in stage.layers)
+    assert layers == list(range(len(run.layers)))
+    loss = float(run.step(namespace["batch"])["loss"])
+    assert math.isfinite(loss)
+
+
+def test_readme_dag_example_runs_on_dask():
+    namespace = _run(_first_python_block_after("Scheduling plain functions"))
     assert namespace["schedule"].makespan > 0
     assert isinstance(namespace["results"]["report"], float)
     records, execution = namespace["records"], namespace["execution"]
