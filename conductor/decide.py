@@ -2,8 +2,9 @@
 
 Device profile p: on-chip memory M (TPU VMEM, GPU shared memory per SM, CPU
 L2), peak FLOP/s F, memory bandwidth W, and whether an associative scan's
-O(log T) depth pays (many parallel lanes) or not (a few CPU cores: measured on
-this 2-core machine, ``lax.associative_scan`` 0.28 s vs sequential 0.24 s).
+O(log T) depth pays (many parallel lanes) or not (a few CPU cores, where its
+extra work outweighs the shorter chain; ``orchestrator bench conductor``'s
+``scan_form_cpu`` case checks which form is faster on the local CPU).
 
 Attention, B·H heads of T queries over S keys, head dim D, fp32:
     scores as written = 2·B·H·T·S·4 bytes kept for the backward (S and P);
@@ -25,6 +26,7 @@ Selective scan, B·T·D·N state elements:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -32,8 +34,7 @@ from typing import Literal
 
 import jax
 
-from conductor.kernels import AttentionBlockSizes, Implementation, ScanBlockSizes
-from conductor.kernels._common import divisible_block
+from conductor.kernels import AttentionBlockSizes, Implementation, ScanBlockSizes, divisible_block
 from conductor.match import Match
 
 DeviceKind = Literal["cpu", "gpu", "tpu"]
@@ -54,23 +55,18 @@ class DeviceProfile:
 # Datasheet figures: A100 (164 KiB shared memory per SM, 19.5 TFLOP/s fp32, 1.555 TB/s),
 # TPU v4 (16 MiB VMEM per core, 275 TFLOP/s bf16, 1.2 TB/s); CPU: 1 MiB L2, a few cores.
 PROFILES: dict[str, DeviceProfile] = {
-    "cpu": DeviceProfile(
-        kind="cpu", onchip_bytes=1 << 20, peak_flops=5e10, memory_bandwidth_bytes_per_s=1e10, parallel_scan_pays=False
-    ),
-    "gpu": DeviceProfile(
-        kind="gpu",
-        onchip_bytes=164 << 10,
-        peak_flops=19.5e12,
-        memory_bandwidth_bytes_per_s=1.555e12,
-        parallel_scan_pays=True,
-    ),
-    "tpu": DeviceProfile(
-        kind="tpu",
-        onchip_bytes=16 << 20,
-        peak_flops=275e12,
-        memory_bandwidth_bytes_per_s=1.2e12,
-        parallel_scan_pays=True,
-    ),
+    kind: DeviceProfile(
+        kind=kind,
+        onchip_bytes=onchip_bytes,
+        peak_flops=peak_flops,
+        memory_bandwidth_bytes_per_s=bandwidth,
+        parallel_scan_pays=parallel_scan_pays,
+    )
+    for kind, onchip_bytes, peak_flops, bandwidth, parallel_scan_pays in (
+        ("cpu", 1 << 20, 5e10, 1e10, False),
+        ("gpu", 164 << 10, 19.5e12, 1.555e12, True),
+        ("tpu", 16 << 20, 275e12, 1.2e12, True),
+    )
 }
 
 
@@ -88,13 +84,10 @@ def device_profile(device=None) -> DeviceProfile:
     if hasattr(device, "peak_flops") and hasattr(device, "name"):  # orchestrator.cluster.DeviceType
         name = device.name.lower()
         kind = "tpu" if "tpu" in name else "cpu" if "cpu" in name else "gpu"
-        base = PROFILES[kind]
-        return DeviceProfile(
-            kind=base.kind,
-            onchip_bytes=base.onchip_bytes,
+        return dataclasses.replace(
+            PROFILES[kind],
             peak_flops=max(device.peak_flops.values()),
             memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
-            parallel_scan_pays=base.parallel_scan_pays,
         )
     kind = {"cuda": "gpu", "rocm": "gpu"}.get(str(device).lower(), str(device).lower())
     if kind not in PROFILES:

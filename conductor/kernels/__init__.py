@@ -5,7 +5,7 @@ Each has a pure-JAX reference beside it and an ``implementation=`` switch:
 blocking in plain XLA, compiled everywhere) and ``"reference"``.
 """
 
-from conductor.kernels._common import IMPLEMENTATIONS, Implementation
+from conductor.kernels._common import IMPLEMENTATIONS, Implementation, divisible_block
 from conductor.kernels.attention import AttentionBlockSizes, attention, attention_reference
 from conductor.kernels.scan import ScanBlockSizes, selective_scan, selective_scan_reference
 
@@ -16,6 +16,7 @@ __all__ = [
     "ScanBlockSizes",
     "attention",
     "attention_reference",
+    "divisible_block",
     "selective_scan",
     "selective_scan_reference",
 ]

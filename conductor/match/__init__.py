@@ -13,7 +13,7 @@ from typing import Literal
 import jax
 from jax.extend import core as jcore
 
-from conductor._jaxpr import evaluate, scope_of
+from conductor.jaxpr import evaluate, scope_of
 from conductor.match._attention import match_attention
 from conductor.match._graph import Graph
 from conductor.match._scan import match_recurrence

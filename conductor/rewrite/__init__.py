@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from conductor._jaxpr import evaluate, flatten
 from conductor.decide import Decision, Policy, decide
+from conductor.jaxpr import evaluate, flatten
 from conductor.match import Match, find
 from conductor.rewrite._substitute import substitution
 

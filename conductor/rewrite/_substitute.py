@@ -7,8 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from conductor._jaxpr import Substitution
 from conductor.decide import Decision
+from conductor.jaxpr import Substitution
 from conductor.kernels import attention, selective_scan
 from conductor.match import Match
 
@@ -81,7 +81,7 @@ def _recurrence(match: Match) -> Substitution:
     a_idx, b_idx = rec["a_xs"] - n_consts - 1, rec["b_xs"] - n_consts - 1  # positions among the xs
 
     def fn(*invals):
-        from conductor._jaxpr import evaluate
+        from conductor.jaxpr import evaluate
 
         consts, h0, xs = invals[:n_consts], invals[n_consts], invals[n_consts + 1 :]
         a, b = xs[a_idx], xs[b_idx]  # (T, *state)

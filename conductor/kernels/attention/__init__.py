@@ -69,19 +69,10 @@ def attention(
     bq, bk = min(sizes.block_q, q.shape[1]), min(sizes.block_k, k.shape[1])
     if q.shape[1] % bq or k.shape[1] % bk:
         raise ValueError(f"block sizes ({bq}, {bk}) must divide the sequence lengths ({q.shape[1]}, {k.shape[1]})")
+    blocked = dict(causal=causal, scale=scale, block_q=bq, block_k=bk)
     if implementation == "xla_chunked":
-        return attention_xla_chunked(q, k, v, causal=causal, scale=scale, block_q=bq, block_k=bk)
-    return attention_pallas(
-        q,
-        k,
-        v,
-        causal=causal,
-        scale=scale,
-        block_q=bq,
-        block_k=bk,
-        interpret=interpret_default(interpret),
-        platform=platform,
-    )
+        return attention_xla_chunked(q, k, v, **blocked)
+    return attention_pallas(q, k, v, **blocked, interpret=interpret_default(interpret), platform=platform)
 
 
 __all__ = ["AttentionBlockSizes", "attention", "attention_reference"]

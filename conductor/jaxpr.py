@@ -9,6 +9,12 @@ Only equations the outputs need are evaluated, so a region whose outputs are
 all replaced disappears (its big intermediates are never built). Used under
 ``jax.make_jaxpr`` it returns a flattened jaxpr; under ``jax.grad`` the
 substitutes' custom VJPs are what get differentiated.
+
+This is the conductor's own jaxpr interpreter, shared by :mod:`conductor.match`
+(which flattens a step before matching) and :mod:`conductor.rewrite` (which
+re-traces it with substitutes). It is a public module so that those subpackages
+import it by its public name; ``conductor`` does not re-export it, since users
+reach it through ``conductor.optimize`` and ``conductor.inspect``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from jax.extend import core as jcore
 
 JIT_PRIMITIVES = ("jit", "pjit")
 REMAT_PRIMITIVES = ("checkpoint", "remat2")
+
+__all__ = ["Planner", "Substitution", "evaluate", "flatten", "scope_of"]
 
 
 @dataclass(frozen=True, slots=True)
