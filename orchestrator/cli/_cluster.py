@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli._common import fail, si
+from orchestrator.cli._common import cluster_or_fail, si
 
 cluster_app = typer.Typer(help="Inspect cluster presets and files.", no_args_is_help=True)
 
@@ -18,12 +18,7 @@ def show(
     name: Annotated[str, typer.Argument(help="A preset name (a100x8, mixed-a100-v100, local, ...) or a YAML file.")],
 ) -> None:
     """Print a cluster's device types, hosts and network levels."""
-    from orchestrator.cluster import ClusterError, load_cluster
-
-    try:
-        cluster = load_cluster(name)
-    except ClusterError as error:
-        fail(str(error))
+    cluster = cluster_or_fail(name)
     out = Console()
     types = Table(title=f"{cluster.name}: device types")
     for column in ("type", "devices", "peak FLOP/s by dtype", "memory", "memory bandwidth"):

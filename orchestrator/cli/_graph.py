@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli._common import fail, si
+from orchestrator.cli._common import fail, recipe_or_fail, si
 
 
 def graph_command(
@@ -24,11 +24,8 @@ def graph_command(
     """Capture a recipe's training step and print its layers (FLOPs, params, activations)."""
     from integrations.flax import capture, xla_flops
     from orchestrator.coarsen import coarsen
-    from recipes import RECIPES
 
-    if recipe not in RECIPES:
-        fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
-    spec = RECIPES[recipe]
+    spec = recipe_or_fail(recipe)
     seq_len = seq_len or spec.seq_len
     max_seq = getattr(spec.config, "max_seq_len", None)
     if max_seq is not None and seq_len > max_seq:

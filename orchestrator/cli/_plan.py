@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from orchestrator.cli._common import fail
+from orchestrator.cli._common import cluster_or_fail, fail, recipe_cost_model, recipe_or_fail
 
 
 def plan_command(
@@ -31,28 +31,14 @@ def plan_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Plan a recipe's training step on a cluster: stages, devices, TP/DP, microbatches, with a certified gap."""
-    from integrations.flax import capture
-    from orchestrator.cluster import ClusterError, load_cluster
-    from orchestrator.coarsen import coarsen
-    from orchestrator.costs import CostModel
     from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
-    from recipes import RECIPES
 
-    if recipe not in RECIPES:
-        fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
+    spec = recipe_or_fail(recipe)
     if schedule not in ("1f1b", "gpipe"):
         fail(f"--schedule must be 1f1b or gpipe, got {schedule!r}")
-    try:
-        spec_cluster = load_cluster(cluster)
-    except ClusterError as error:
-        fail(str(error))
-    spec = RECIPES[recipe]
-    capture_batch = spec.batch_size
-    state, data = spec.abstract_state(), spec.batch_spec(capture_batch, seq)
+    spec_cluster = cluster_or_fail(cluster)
     with Console(stderr=True).status(f"capturing and planning {recipe} on {spec_cluster.name}"):
-        graph = capture(spec.train_step, state, data)
-        layers = coarsen(graph)
-        model = CostModel(graph, layers, spec_cluster, batch_size=capture_batch, param_axes=spec.param_axes())
+        model = recipe_cost_model(spec, spec_cluster, seq)
         try:
             result = plan(
                 model,

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from orchestrator.cli._common import fail
+from orchestrator.cli._common import recipe_or_fail
 
 
 def profile_command(
@@ -29,11 +29,8 @@ def profile_command(
     from orchestrator.coarsen import coarsen
     from orchestrator.costs import EFFICIENCY_CLASSES, CostModel
     from orchestrator.profile import calibrate
-    from recipes import RECIPES
 
-    if recipe not in RECIPES:
-        fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
-    spec = RECIPES[recipe]
+    spec = recipe_or_fail(recipe)
     state, batch = spec.abstract_state(), spec.batch_spec(batch_size, seq_len)
     graph = capture(spec.train_step, state, batch)
     layers = coarsen(graph)

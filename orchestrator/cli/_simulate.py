@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli._common import fail
+from orchestrator.cli._common import cluster_or_fail, fail, recipe_cost_model, recipe_or_fail
 
 PlanFile = Annotated[str, typer.Argument(help="A plan written by 'orchestrator plan --out PLAN.json'.")]
 Recipe = Annotated[
@@ -57,23 +57,9 @@ def _model(recipe: str | None, cluster: str | None, seq: int | None):
         fail("--recipe and --cluster go together (the ones the plan was made with)")
     from rich.console import Console
 
-    from integrations.flax import capture
-    from orchestrator.cluster import ClusterError, load_cluster
-    from orchestrator.coarsen import coarsen
-    from orchestrator.costs import CostModel
-    from recipes import RECIPES
-
-    if recipe not in RECIPES:
-        fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
-    try:
-        spec_cluster = load_cluster(cluster)
-    except ClusterError as error:
-        fail(str(error))
-    spec = RECIPES[recipe]
+    spec, spec_cluster = recipe_or_fail(recipe), cluster_or_fail(cluster)
     with Console(stderr=True).status(f"capturing {recipe} for its cost model"):
-        graph = capture(spec.train_step, spec.abstract_state(), spec.batch_spec(spec.batch_size, seq))
-        layers = coarsen(graph)
-    return CostModel(graph, layers, spec_cluster, batch_size=spec.batch_size, param_axes=spec.param_axes())
+        return recipe_cost_model(spec, spec_cluster, seq)
 
 
 def _simulate(plan_file: str, recipe, cluster, seq, blocking_p2p: bool, no_sync_overlap: bool):
