@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 
+__all__ = ["median_seconds"]
+
 
 def median_seconds(fn, *args, repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn(*args)`` over ``repeats`` runs after ``warmup`` runs (waits for results).
