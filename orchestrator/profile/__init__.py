@@ -6,6 +6,5 @@ times each distinct layer of a captured JAX step on the local device.
 
 from orchestrator.profile._calibrate import calibrate, predict
 from orchestrator.profile._records import LayerTiming, TimingCache, cache_dir
-from orchestrator.timing import median_seconds
 
-__all__ = ["LayerTiming", "TimingCache", "cache_dir", "calibrate", "median_seconds", "predict"]
+__all__ = ["LayerTiming", "TimingCache", "cache_dir", "calibrate", "predict"]
