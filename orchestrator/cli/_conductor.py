@@ -26,7 +26,7 @@ def conductor_command(
     ] = False,
 ) -> None:
     """Attention and selective-scan rewrites: compiled memory, numerics, CPU time, TPU/CUDA lowering; exit 1 on a miss."""
-    from conductor._bench import all_cases
+    from orchestrator.bench._conductor import all_cases
 
     console = Console(stderr=True)
     with console.status("conductor bench") as status:

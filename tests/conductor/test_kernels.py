@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conductor._bench import max_abs_diff, scan_inputs
 from conductor.kernels import AttentionBlockSizes, ScanBlockSizes, attention, selective_scan
+from orchestrator.bench._conductor import max_abs_diff, scan_inputs
 
 BLOCKS = AttentionBlockSizes(block_q=16, block_k=16)
 

@@ -9,7 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import conductor
-from conductor._bench import max_abs_diff
+from orchestrator.bench._conductor import max_abs_diff
 
 FORCE = conductor.Policy(attention="force", selective_scan="force")
 B, T, H, D = 2, 32, 4, 16

@@ -1,9 +1,13 @@
-"""Evidence for the conductor: compiled memory, numerics and CPU time (``orchestrator bench conductor``)."""
+"""Evidence for the conductor: compiled memory, numerics and CPU time (``orchestrator bench conductor``).
+
+Each case is a :class:`Claim`, a statement about the conductor's kernels checked here with the
+figures behind it, unlike :class:`~orchestrator.bench.Case`, which compares a prediction of
+Orchestrator's with a measurement.
+"""
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from conductor.kernels import AttentionBlockSizes, ScanBlockSizes, attention, selective_scan
+from orchestrator.timing import median_seconds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Case:
-    """One checked claim: its name, whether it holds, and the figures behind it."""
+class Claim:
+    """A claim about the conductor: its name, whether it holds, and the figures behind it."""
 
     name: str
     ok: bool
@@ -29,17 +34,6 @@ class Case:
 def temp_bytes(fn: Callable, *args) -> int:
     """XLA's temp buffer bytes for ``jit(fn)`` compiled on the local backend (compiled, never run)."""
     return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
-
-
-def median_seconds(fn: Callable, *args, repeats: int = 5) -> float:
-    """Median wall time of ``repeats`` runs of an already compiled ``fn`` (one warm-up run first)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def attention_step(implementation: str, *, causal: bool = True, block_sizes: AttentionBlockSizes | None = None):
@@ -93,7 +87,7 @@ def rel_diff(x, y) -> float:
     )
 
 
-def attention_memory_cases(seqs=(1024, 4096, 8192), progress=lambda name: None) -> list[Case]:
+def attention_memory_cases(seqs=(1024, 4096, 8192), progress=lambda name: None) -> list[Claim]:
     """Compiled temp memory of the attention training step, naive vs ``xla_chunked`` (compile only)."""
     rows = []
     for seq in seqs:
@@ -104,7 +98,7 @@ def attention_memory_cases(seqs=(1024, 4096, 8192), progress=lambda name: None) 
         chunked = temp_bytes(attention_step("xla_chunked", block_sizes=sizes), *specs)
         rows.append((seq, naive, chunked))
     cases = [
-        Case(
+        Claim(
             name=f"attention_memory_T{seq}",
             ok=seq != 8192 or naive / chunked >= 32,
             figures={
@@ -119,7 +113,7 @@ def attention_memory_cases(seqs=(1024, 4096, 8192), progress=lambda name: None) 
     (t0, n0, c0), (t1, n1, c1) = rows[0], rows[-1]
     growth = t1 / t0
     cases.append(
-        Case(
+        Claim(
             name="attention_memory_growth",
             ok=c1 / c0 <= 1.25 * growth and n1 / n0 >= 0.5 * growth**2,
             figures={"seq_ratio": growth, "naive_growth": n1 / n0, "rewritten_growth": c1 / c0},
@@ -128,7 +122,7 @@ def attention_memory_cases(seqs=(1024, 4096, 8192), progress=lambda name: None) 
     return cases
 
 
-def attention_numerics_cases(seq: int = 256, progress=lambda name: None) -> list[Case]:
+def attention_numerics_cases(seq: int = 256, progress=lambda name: None) -> list[Claim]:
     """Pallas (interpreted on CPU) and ``xla_chunked`` vs the reference: forward ≤ 2e-6, gradients ≤ 1e-5."""
     cases = []
     sizes = AttentionBlockSizes(block_q=64, block_k=64)
@@ -152,7 +146,7 @@ def attention_numerics_cases(seq: int = 256, progress=lambda name: None) -> list
             grads = jax.jit(attention_step(impl, causal=causal, block_sizes=sizes))(q, k, v, w)
             fwd, bwd = max_abs_diff(out, ref_out), max_abs_diff(grads, ref_grads)
             cases.append(
-                Case(
+                Claim(
                     name=name,
                     ok=fwd <= 2e-6 and bwd <= 1e-5,
                     figures={"seq": seq, "forward_max_abs_err": fwd, "grad_max_abs_err": bwd},
@@ -163,7 +157,7 @@ def attention_numerics_cases(seq: int = 256, progress=lambda name: None) -> list
 
 def scan_cases(
     batch=2, seq=4096, d_inner=256, d_state=16, repeats=5, min_ratio=16.0, progress=lambda name: None
-) -> list[Case]:
+) -> list[Claim]:
     """Selective-scan training step: memory (≥ 16× less), CPU time (≤ 1.2×), equal outputs and gradients."""
     xs = scan_inputs(batch, seq, d_inner, d_state)
     sizes = ScanBlockSizes(chunk=min(64, seq), block_d=d_inner)
@@ -183,12 +177,12 @@ def scan_cases(
     out_err, grad_err, grad_rel = max_abs_diff(y_new, y_ref), max_abs_diff(g_new, g_ref), rel_diff(g_new, g_ref)
     shape = {"batch": batch, "seq": seq, "d_inner": d_inner, "d_state": d_state, "chunk": sizes.chunk}
     return [
-        Case(
+        Claim(
             name="scan_memory",
             ok=written / fused >= min_ratio,
             figures={**shape, "written_temp_bytes": written, "rewritten_temp_bytes": fused, "ratio": written / fused},
         ),
-        Case(
+        Claim(
             name="scan_time",
             ok=t_new <= 1.2 * t_ref,
             figures={
@@ -198,7 +192,7 @@ def scan_cases(
                 "repeats": repeats,
             },
         ),
-        Case(
+        Claim(
             name="scan_numerics",
             ok=out_err <= 1e-5 and grad_rel <= 1e-6,
             figures={"output_max_abs_err": out_err, "grad_max_abs_err": grad_err, "grad_max_rel_err": grad_rel},
@@ -206,16 +200,16 @@ def scan_cases(
     ]
 
 
-def scan_memory_case(*, batch: int, seq: int, d_inner: int, d_state: int, min_ratio: float) -> list[Case]:
+def scan_memory_case(*, batch: int, seq: int, d_inner: int, d_state: int, min_ratio: float) -> list[Claim]:
     """Compiled temp memory only (no runs) of the selective-scan training step, written vs fused."""
     xs = scan_inputs(batch, seq, d_inner, d_state)
     written = temp_bytes(scan_step("reference"), *xs)
     fused = temp_bytes(scan_step("xla_chunked", block_sizes=ScanBlockSizes(chunk=min(64, seq), block_d=d_inner)), *xs)
     figures = {"seq": seq, "written_temp_bytes": written, "rewritten_temp_bytes": fused, "ratio": written / fused}
-    return [Case(name="scan_memory", ok=written / fused >= min_ratio, figures=figures)]
+    return [Claim(name="scan_memory", ok=written / fused >= min_ratio, figures=figures)]
 
 
-def scan_pallas_case(seq: int = 256, progress=lambda name: None) -> Case:
+def scan_pallas_case(seq: int = 256, progress=lambda name: None) -> Claim:
     """The Pallas scan (interpreted on CPU) and the fp32 written form, both against the written form in float64.
 
     ``ok``: outputs within 1e-5 and gradients within 1e-6 of their scale (dA sums B·T terms and is
@@ -232,7 +226,7 @@ def scan_pallas_case(seq: int = 256, progress=lambda name: None) -> Case:
         ref = selective_scan(*xs64[:5], implementation="reference")
         ref_grads = scan_step("reference")(*xs64)
     fwd, bwd, rel = max_abs_diff(out, ref), max_abs_diff(grads, ref_grads), rel_diff(grads, ref_grads)
-    return Case(
+    return Claim(
         name="scan_numerics_pallas",
         ok=fwd <= 1e-5 and rel <= 1e-6,
         figures={
@@ -248,10 +242,9 @@ def scan_pallas_case(seq: int = 256, progress=lambda name: None) -> Case:
     )
 
 
-def scan_form_cases(seq: int = 4096, repeats: int = 5, progress=lambda name: None) -> list[Case]:
+def scan_form_cases(seq: int = 4096, repeats: int = 5, progress=lambda name: None) -> list[Claim]:
     """Sequential vs associative scan of h = a·h + b on this CPU, and the form the decision model picks per device."""
-    from conductor.decide import Policy, decide
-    from conductor.match import Match
+    from conductor import Match, Policy, decide
 
     progress("scan form")
     ks = jax.random.split(jax.random.key(0), 2)
@@ -277,12 +270,12 @@ def scan_form_cases(seq: int = 4096, repeats: int = 5, progress=lambda name: Non
     )
     forms = {device: decide(match, Policy(device=device)).scan_form for device in ("cpu", "gpu", "tpu")}
     return [
-        Case(
+        Claim(
             name="scan_form_cpu",
             ok=(forms["cpu"] == "sequential") == (t_par >= t_seq),
             figures={"sequential_median_s": t_seq, "associative_median_s": t_par, "decided_cpu": forms["cpu"]},
         ),
-        Case(
+        Claim(
             name="scan_form_accelerators",
             ok=forms["gpu"] == forms["tpu"] == "parallel",
             figures={"decided_gpu": forms["gpu"], "decided_tpu": forms["tpu"]},
@@ -290,7 +283,7 @@ def scan_form_cases(seq: int = 4096, repeats: int = 5, progress=lambda name: Non
     ]
 
 
-def export_cases(progress=lambda name: None) -> list[Case]:
+def export_cases(progress=lambda name: None) -> list[Claim]:
     """The Pallas kernels' training steps lowered with ``jax.export`` for TPU and CUDA, no hardware needed."""
     from jax import export
 
@@ -325,7 +318,7 @@ def export_cases(progress=lambda name: None) -> list[Case]:
                 text = exported.mlir_module()
                 calls = sorted({c for c in ("tpu_custom_call", "triton") if c in text})
                 cases.append(
-                    Case(
+                    Claim(
                         name=f"export_{name}_{platform}",
                         ok=bool(calls),
                         figures={"custom_calls": calls, "stablehlo_bytes": len(exported.mlir_module_serialized)},
@@ -333,7 +326,7 @@ def export_cases(progress=lambda name: None) -> list[Case]:
                 )
             except Exception as error:  # a lowering failure is the measurement here
                 cases.append(
-                    Case(
+                    Claim(
                         name=f"export_{name}_{platform}",
                         ok=False,
                         figures={"error": f"{type(error).__name__}: {str(error)[:300]}"},
@@ -342,7 +335,7 @@ def export_cases(progress=lambda name: None) -> list[Case]:
     return cases
 
 
-def all_cases(*, quick: bool = False, progress=lambda name: None) -> list[Case]:
+def all_cases(*, quick: bool = False, progress=lambda name: None) -> list[Claim]:
     """Every case of ``orchestrator bench conductor``; ``quick`` uses small sizes (for tests)."""
     if quick:
         return (
