@@ -1,7 +1,7 @@
 """``Replanner``: watch each stage's measured time, re-plan when one drifts, switch only when it pays.
 
-**Measured.** The pipeline executor in ``timed`` mode (``Pipeline(timed=True)``, which the
-Replanner turns on) blocks on every program call and adds its time to its stage: ``b_s(t)``,
+**Measured.** A :class:`~integrations.callbacks._clock.StageClock`, which the Replanner adds to
+the pipeline executor's observers, blocks on every program call and adds its time to its stage: ``b_s(t)``,
 the busy seconds of stage s in step t, on one of two clocks: ``"wall"``, or ``"cpu"``, the
 process's CPU seconds, which on virtual CPU devices is the work itself and does not change
 when other processes take the cores (measured on this machine at load 7–9 on 2 cores: the
@@ -78,6 +78,7 @@ from typing import Literal
 import jax
 
 from integrations.callbacks._base import Callback
+from integrations.callbacks._clock import StageClock
 from integrations.callbacks._slowed import SlowedCosts, busy_s, moved_bytes, price, slowed_cluster, step_s, translate
 from orchestrator.planner import replan
 
@@ -195,9 +196,10 @@ class Replanner(Callback):
         self._device_ids = [d.id for d in jax.devices()]
         self._refs = [d.ref for d in run.cluster.all_devices()]  # the running plan's ref namespace
         self._model, self._running = run.cost_model, run.plan
-        run.pipeline_options["timed"] = True
-        if hasattr(run.step_fn, "timed"):
-            run.step_fn.timed = True
+        self._clock = StageClock()
+        run.pipeline_options["observers"] = [*run.pipeline_options.get("observers", ()), self._clock]
+        if hasattr(run.step_fn, "observers"):  # a pipeline already built
+            run.step_fn.observers.append(self._clock)
         self._compile_s = 0.0
         self._switch_reshard_s: float | None = None
         self._start = self._start_cpu = 0.0
@@ -246,8 +248,8 @@ class Replanner(Callback):
         self.step_times_s[step] = time.perf_counter() - self._start
         self.step_cpu_s[step] = time.process_time() - self._start_cpu
         elapsed = self.step_cpu_s[step] if self.clock == "cpu" else self.step_times_s[step]
-        stages = "stage_cpu_s" if self.clock == "cpu" else "stage_busy_s"
-        busy = list(getattr(self.run.step_fn, stages, [elapsed]))
+        busy = list((self._clock.cpu_s if self.clock == "cpu" else self._clock.busy_s) or [elapsed])
+        self._clock.clear()  # a single-stage step dispatches nothing it observes: [elapsed] then
         self.stage_times_s[step] = busy
         if self._compiling:  # the step that compiled: its excess over a steady step is the compile time
             self._compiling, self._first_s = False, elapsed

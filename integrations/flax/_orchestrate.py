@@ -34,7 +34,7 @@ class OrchestratedTrainState:
       steps_done: number of steps run.
       train_step, param_axes, cluster, zero: what ``step_fn`` was compiled from (``switch`` compiles again).
       pipeline_options: keyword arguments for the pipeline executor of every multi-stage plan this
-        run compiles, now and after a ``switch`` (``timed``, ``slowdown``: see ``Pipeline``).
+        run compiles, now and after a ``switch`` (``observers``: see ``Pipeline``).
     """
 
     def __init__(
@@ -151,8 +151,8 @@ def orchestrate(
       profile: time the layers on the local device and use those times (``local`` cluster only).
       max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`.
       zero: plan with ZeRO-1 and shard optimizer moments over data-parallel replicas.
-      pipeline_options: keyword arguments for the pipeline executor of multi-stage plans (``timed``,
-        ``slowdown``), kept for plans the run switches to.
+      pipeline_options: keyword arguments for the pipeline executor of multi-stage plans
+        (``observers``), kept for plans the run switches to.
 
     Returns:
       An :class:`OrchestratedTrainState`; call ``.step(batch)`` in the loop.

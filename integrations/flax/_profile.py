@@ -5,21 +5,18 @@ backward, optimizer pieces; see ``_slice``), compiled, warmed up and timed:
 the median of ``repeats`` runs. A piece writes its outputs over the inputs
 that are dead after it, as the whole step does inside one program (the
 optimizer over the donated state, the tied embedding's gradient over the
-head's): timed into fresh buffers instead, the CPU's page faults made
-gpt2-small's embedding update 2.4× and its backward 7× slower than in the step.
-Results go to the disk cache keyed by
-signature, device kind and jax version, so a second profile is instant.
+head's): timed into fresh buffers instead, the CPU's page faults make a large
+embedding's update and backward several times slower than in the step. Results
+go to the disk cache keyed by signature, device kind and jax version, so a
+second profile is instant.
 
 With ``fixed_from`` (the same step's arguments at a smaller batch, or a list of them at several),
 each layer's forward and backward are also timed there (``LayerTiming.forward_at``), and the line
 through the two smallest batches' times, read at batch 0, is the part that does not shrink with
-the batch (``LayerTiming.forward_fixed_s``): per-call and per-op costs, which on the 2-core
-development machine are 6–20% of gpt-tiny's forward and backward at batch 16 (a block 4–20%, the
-embedding 32–66%; session 20). Without it, the cost model scaled a layer linearly to the
-microbatch, and the pipeline stages at 4 samples ran 15–96% slower than predicted. The time is not
-one line in the batch: gpt-tiny's forward and backward on one device took 2.6, 5.9 and 15.8 ms at
-batch 1, 4 and 16, so the line through 4 and 16 says 3.4 ms at 1 (session 23). The cost model therefore
-interpolates between every measured batch.
+the batch (``LayerTiming.forward_fixed_s``): per-call and per-op costs, a large share of a small
+layer's time at a small batch, which a layer scaled linearly to the microbatch leaves out. The
+time is not one line in the batch either (a line through two larger batches overestimates the
+smallest), so the cost model interpolates between every measured batch.
 """
 
 from __future__ import annotations
@@ -85,9 +82,8 @@ class LayerProfiler:
     A round (:meth:`sample`) runs each piece once, in turn, so that a change of the machine's
     speed during the profile falls on every layer alike, and so that the rounds can be
     interleaved with other measurements (the executor bench times a plan's stages between them:
-    a layer's pieces and the stage that runs it then see the same machine, and on the 2-core
-    development machine their ratio held within 6% over 6 rounds where six successive separate
-    profiles moved a block from 12.6 to 6.6 ms, session 23).
+    a layer's pieces and the stage that runs it then see the same machine: on shared cores their
+    ratio holds where separate profiles taken one after another drift apart).
 
     Args:
       fn, *args: the step and its arguments.
@@ -154,9 +150,8 @@ class LayerProfiler:
         ``host_s`` of its buffers (see :meth:`timings`). At least 0.
 
         A cut ends one program and starts another: the call's own costs on the device, and the
-        fusion across it that XLA loses. On the 2-core development machine gpt-tiny's 4 layers
-        summed to 0.13–0.31 ms per cut more than the whole step at 1 sample (session 24); at 16
-        samples the difference was lost in the noise (−0.06 to 0.70 ms over 12 rounds).
+        fusion across it that XLA loses. It shows at the smallest batch, where the devices' work is
+        small; at larger batches it is lost in the noise.
         """
         if not self.whole:
             raise ValueError("boundary_seconds needs LayerProfiler(..., boundary=True)")

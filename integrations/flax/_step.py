@@ -65,8 +65,8 @@ def compile_step(
       train_step: ``train_step(state, batch) -> (state, metrics)`` (a Flax TrainState step).
       state: the state as :func:`~integrations.flax.shard` placed it (or abstract, same structure).
       param_axes, layers, cluster, zero: as for :func:`~integrations.flax.shard`.
-      **pipeline: for multi-stage plans, passed to :class:`~integrations.flax._pipeline.Pipeline`
-        (``timed``, ``slowdown``); single-stage plans ignore them.
+      **pipeline: for multi-stage plans, passed to :class:`~integrations.flax.Pipeline`
+        (``observers``); single-stage plans ignore them.
 
     Returns:
       ``step(state, batch) -> (state, metrics)``.

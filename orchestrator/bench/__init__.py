@@ -1,9 +1,19 @@
 """Benchmarks that check Orchestrator's predictions against external truth (XLA, measurements)."""
 
-from orchestrator.bench._case import Case
+from orchestrator.bench._case import Case, rel_err
+from orchestrator.bench._conductor import all_cases as conductor_claims
 from orchestrator.bench._dag import run_suite as run_dag_suite
 from orchestrator.bench._fidelity import compute_cases, fidelity_cases
 from orchestrator.bench._planner import run_suite as run_planner_suite
 from orchestrator.bench._replan import run_suite as run_replan_suite
 
-__all__ = ["Case", "compute_cases", "fidelity_cases", "run_dag_suite", "run_planner_suite", "run_replan_suite"]
+__all__ = [
+    "Case",
+    "compute_cases",
+    "conductor_claims",
+    "fidelity_cases",
+    "rel_err",
+    "run_dag_suite",
+    "run_planner_suite",
+    "run_replan_suite",
+]

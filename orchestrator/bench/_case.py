@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def rel_err(predicted: float, measured: float) -> float:
+    """How far a prediction is from its measurement: ``predicted / measured − 1``, the one definition
+    every bench uses (positive: the prediction is too high). 0 when both are 0, ∞ when only the
+    measurement is 0.
+
+    Example:
+      >>> rel_err(3.0, 2.0)
+      0.5
+    """
+    if measured == 0:
+        return 0.0 if predicted == 0 else float("inf")
+    return predicted / measured - 1
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Case:
     name: str
@@ -15,9 +29,7 @@ class Case:
 
     @property
     def rel_err(self) -> float:
-        if self.measured == 0:
-            return 0.0 if self.predicted == 0 else float("inf")
-        return self.predicted / self.measured - 1
+        return rel_err(self.predicted, self.measured)
 
     @property
     def ok(self) -> bool:

@@ -88,8 +88,8 @@ def read_checkpoint(run_dir: Path, step: int):
 def sigkill_case(steps: int = 16, every: int = 2, kill_after: int = 5) -> dict:
     """``orchestrator train`` in a subprocess, SIGKILLed once checkpoint ``kill_after`` is on disk,
     then ``orchestrator resume``; ok when the final parameters equal the reference within 1e-6."""
-    from integrations.flax._parity import check_plan
     from integrations.flax._run import RunConfig
+    from orchestrator.bench.executor import check_plan
 
     plan = check_plan("DP4xTP2", global_batch=BATCH)
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,8 +140,8 @@ def sigkill_case(steps: int = 16, every: int = 2, kill_after: int = 5) -> dict:
 def device_loss_case(steps: int = 12, every: int = 3, at_step: int = 7) -> dict:
     """Devices 4–7 lost during step ``at_step`` of a DP4×TP2 run: re-plan, restore, continue; ok when
     the final parameters equal a run that switched to the new plan at the restored step within 1e-5."""
-    from integrations.flax._parity import check_plan
     from integrations.flax._run import LoseDevices, RunConfig, train
+    from orchestrator.bench.executor import check_plan
 
     plan = check_plan("DP4xTP2", global_batch=BATCH)
     config = RunConfig(recipe="gpt-tiny", global_batch=BATCH, seq_len=SEQ, time_limit_s=2, steps=steps,

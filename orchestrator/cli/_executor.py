@@ -49,7 +49,7 @@ def bench_executor_command(
     """Executed plans vs single-device training (parity), vs the cost model (collectives, stage times), and the
     rank correlation of measured and simulated step times; exit 1 if a case misses its tolerance."""
     _need_devices(8)  # before anything imports jax
-    from integrations.flax._bench import run
+    from orchestrator.bench.executor import run
 
     console = Console(stderr=True)
     with console.status("running plans") as status:

@@ -95,8 +95,8 @@ def test_bench_planner_json_has_every_field_and_the_ilp_is_never_worse():
 
 
 def test_bench_executor_prints_its_tables_and_exits_1_on_a_miss(monkeypatch):
-    """The command's printing, on a made-up result (the real run takes minutes: ``_bench.run``)."""
-    import integrations.flax._bench as bench
+    """The command's printing, on a made-up result (the real run takes minutes: ``orchestrator.bench.executor.run``)."""
+    import orchestrator.bench.executor as bench
 
     result = {
         "cases": [

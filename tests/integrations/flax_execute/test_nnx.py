@@ -7,8 +7,8 @@ import optax
 from flax import nnx
 
 from integrations.flax import compile_step, from_nnx, shard
-from integrations.flax._parity import check_plan
 from integrations.flax._shard import leaf_params
+from orchestrator.bench.executor import check_plan
 
 
 class MLP(nnx.Module):

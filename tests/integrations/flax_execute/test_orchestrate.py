@@ -8,7 +8,7 @@ import pytest
 
 from integrations.callbacks import Checkpointer, PlanReporter, StepTimeDrift, StepTimer, schedule_trace
 from integrations.flax import compile_step, orchestrate, shard
-from integrations.flax._parity import check_plan
+from orchestrator.bench.executor import check_plan
 from orchestrator.simulate import stage_order
 from recipes import get_recipe, synthetic_batch
 

@@ -7,7 +7,7 @@ shards none of its parameters) the two pipelines. The full matrix is
 
 import pytest
 
-from integrations.flax._parity import PLAN_NAMES, check_plan, parity
+from orchestrator.bench.executor import PLAN_NAMES, check_plan, parity
 
 CASES = [("gpt-tiny", name) for name in PLAN_NAMES] + [
     ("mamba-tiny", name) for name in ("2 stages (3+1) x 4 mb", "4 stages TP 1/2/4/1")
@@ -31,8 +31,8 @@ def test_zero_plan_shards_the_moments_and_trains_like_one_device(plan_name):
 
     import jax
 
-    from integrations.flax._parity import _reference
     from integrations.flax._shard import shard
+    from orchestrator.bench.executor._parity import _reference
 
     plan = check_plan(plan_name, global_batch=16)
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, zero=s.dp > 1) for s in plan.stages))

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from integrations.flax._parity import check_plan
 from integrations.flax._run import LoseDevices, RunConfig, batch_for_step, train
 from orchestrator.bench._recovery import clean_env, finished_checkpoints, max_diff, read_checkpoint, reference_state
+from orchestrator.bench.executor import check_plan
 from orchestrator.cli import app
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -20,7 +20,7 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 import jax.numpy as jnp  # noqa: E402
 
 from integrations.flax import compile_step, shard  # noqa: E402
-from integrations.flax._parity import _stage  # noqa: E402
+from orchestrator.bench.executor._parity import _stage  # noqa: E402
 from orchestrator.planner._plan import Plan  # noqa: E402
 from recipes import get_recipe, synthetic_batch  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def timed():
-    from integrations.flax._bench import setup, timing_cases
+    from orchestrator.bench.executor import setup, timing_cases
 
     su = setup("gpt-tiny", 16, 8, host=True)
     return su, timing_cases(su, plans=("DP2", "4 stages TP 1/2/4/1"), rounds=2, repeats=2)
@@ -20,7 +20,7 @@ def test_every_stage_of_every_plan_gets_a_case_with_its_rounds(timed):
     ]
     for case in cases:
         assert case["predicted"] > 0 and case["measured"] > 0
-        assert case["rel_err"] == pytest.approx(case["measured"] / case["predicted"] - 1)
+        assert case["rel_err"] == pytest.approx(case["predicted"] / case["measured"] - 1)
         assert case["ok"] == (abs(case["rel_err"]) <= 0.15)
         assert len(case["round_errors"]) == 2 and all(math.isfinite(e) for e in case["round_errors"])
         assert math.isfinite(case["repeat_err"]) and case["measured_spread"] >= 0
@@ -30,8 +30,8 @@ def test_every_stage_of_every_plan_gets_a_case_with_its_rounds(timed):
 
 
 def test_the_profile_behind_a_prediction_has_every_smaller_batch(timed):
-    from integrations.flax._bench import SMALLER_BATCH_DIVISORS
     from integrations.flax._profile import LayerProfiler
+    from orchestrator.bench.executor import SMALLER_BATCH_DIVISORS
 
     su, _ = timed
     abstract = su.recipe.abstract_state()
@@ -62,7 +62,7 @@ def test_the_profile_behind_a_prediction_has_every_smaller_batch(timed):
 
 
 def test_controls_time_each_stage_twice_and_sum_its_layers_run_as_stages_on_its_devices(timed):
-    from integrations.flax._controls import control_cases
+    from orchestrator.bench.executor import control_cases
 
     su, _ = timed
     rows = control_cases(su, plans=("2 stages (3+1) x 4 mb",), rounds=2, repeats=2)
@@ -75,8 +75,7 @@ def test_controls_time_each_stage_twice_and_sum_its_layers_run_as_stages_on_its_
 
 
 def test_one_layer_stages_keep_each_stage_s_devices_and_degrees():
-    from integrations.flax._controls import one_layer_stages
-    from integrations.flax._parity import check_plan
+    from orchestrator.bench.executor import check_plan, one_layer_stages
 
     plan = check_plan("2 stages (3+1) x 4 mb", global_batch=16)
     split, sizes = one_layer_stages(plan)
@@ -93,8 +92,7 @@ def test_one_layer_stages_keep_each_stage_s_devices_and_degrees():
 
 
 def test_controls_need_the_host_costs():
-    from integrations.flax._bench import setup
-    from integrations.flax._controls import control_cases
+    from orchestrator.bench.executor import control_cases, setup
 
     with pytest.raises(ValueError, match="host=True"):
         control_cases(setup("gpt-tiny", 16, 8))

@@ -25,7 +25,7 @@ PLAN_NAMES = ("DP8", "TP8", "DP2xTP4", "2 stages (3+1) x 4 mb", "4 stages TP 1/2
 
 
 def _stage(layers, devices, *, tp: int, dp: int, microbatch: int, device_type: str, host: str = "localhost"):
-    from orchestrator.planner._plan import Stage
+    from orchestrator.planner import Stage
 
     return Stage(
         layers=tuple(layers),
@@ -45,7 +45,7 @@ def check_plan(name: str, *, global_batch: int, device_type: str = "cpu", host: 
 
     ``name`` is one of :data:`PLAN_NAMES` or any single-stage ``DP<a>``, ``TP<b>``, ``DP<a>xTP<b>`` (a·b ≤ 8).
     """
-    from orchestrator.planner._plan import Plan
+    from orchestrator.planner import Plan
 
     if global_batch % 16:
         raise ValueError(
@@ -95,7 +95,7 @@ class Parity:
 @functools.cache
 def _reference(recipe_name: str, steps: int, global_batch: int, seq_len: int):
     """(initial state, batches, losses, final params, param axes, layers) of single-device training."""
-    from integrations.flax._capture import capture
+    from integrations.flax import capture
     from orchestrator.coarsen import coarsen
     from recipes import get_recipe, synthetic_batch
 
@@ -117,8 +117,7 @@ def parity(recipe_name: str, plan, *, steps: int = 5, global_batch: int = 16, se
 
     The single-device run is cached per (recipe, steps, batch, sequence length).
     """
-    from integrations.flax._shard import shard
-    from integrations.flax._step import compile_step
+    from integrations.flax import compile_step, shard
     from recipes import get_recipe
 
     recipe = get_recipe(recipe_name)

@@ -1,30 +1,25 @@
 """What the host adds to a step on virtual CPU devices: dispatches, buffers, wake-ups and shared cores.
 
-Five measurements on this machine, each a median over repeated runs (the ranges below are
-what sessions 8 and 24 saw on the 2-core development machine):
+Five measurements on this machine, each a median over repeated runs:
 
-* **dispatch** d(k): one tiny jitted call on inputs already placed on a k-device
-  mesh, waited for. It depends on k: 5–9 µs on one device, 57–135 µs on 2, 4
-  or 8 (a multi-device program is launched on every device's thread and joined);
+* **dispatch** d(k): one tiny jitted call on inputs already placed on a k-device mesh, waited
+  for. It depends on k: a multi-device program is launched on every device's thread and joined,
+  so a call to 2, 4 or 8 devices costs an order of magnitude more than one to a single device;
 * **wake-up** w(k): what the same tiny call costs more right after the recipe's forward and
-  backward ran on all the devices than right after itself (114–233 µs for k = 1 to 8, session 24).
-  A stage in a pipeline starts after other devices' work, so its first call pays it, and the
-  bench times each stage alone right after that same work (:meth:`SlowdownRun.busy`);
-* **buffer** b: host seconds per device buffer a call takes or returns (one
-  call over 64 arrays against one over a single array; 0.8–1.5 µs);
-* **blocking** β(k): the share of a multi-device program's run the dispatching
-  thread is held for, beyond d(k) (a chain of 512² matmuls on k devices: 0.5–0.8
-  of the run on 2, 4 and 8 devices, 0.01–0.03 on one), so a pipeline's host
-  issues its next call only after β × the last one's time;
-* **slowdown** s(k): a workload (the bench gives the recipe's forward and backward) run as
-  one program over k devices, each device on its own copy of the arguments (``jax.shard_map``),
+  backward ran on all the devices than right after itself. A stage in a pipeline starts after
+  other devices' work, so its first call pays it, and the bench times each stage alone right
+  after that same work (:meth:`SlowdownRun.busy`);
+* **buffer** b: host seconds per device buffer a call takes or returns (one call over 64 arrays
+  against one over a single array);
+* **blocking** β(k): the share of a multi-device program's run the dispatching thread is held
+  for, beyond d(k) (a chain of 512² matmuls on k devices), so a pipeline's host issues its next
+  call only after β × the last one's time;
+* **slowdown** s(k): a workload (the bench gives the recipe's forward and backward) run as one
+  program over k devices, each device on its own copy of the arguments (``jax.shard_map``),
   against one device alone. The ``local`` cluster's devices share the host's c cores, but one
   device alone already uses more than one core (XLA:CPU's intra-op threads), so s(k) is not
-  max(1, k/c): measured for tiny GPT's forward and backward at batch 16 × 64, s = 1.45–1.6,
-  2.6–2.7 and 5.1–5.2 at k = 2, 4 and 8 with c = 2 (session 24), where max(1, k/c) says 1, 2
-  and 4. It is one program over k devices because that is how a stage runs: k separate
-  one-device programs dispatched in a loop measured s(8) = 6.0–7.0 in the same session, and
-  the 8-device stages then came out 20–30% faster than predicted.
+  max(1, k/c). It is one program over k devices because that is how a stage runs: k separate
+  one-device programs dispatched in a loop are slower than one program over the k devices.
 
 A stage whose k devices run alone then takes s(k) × its single-device time.
 """
@@ -49,7 +44,7 @@ class HostCosts:
     buffer_s: float
     blocking: dict[int, float]  # by mesh size
     slowdown: dict[int, float]  # by number of devices busy at once
-    executor_s: float = 0.0  # the executor's own host seconds per dispatch (``_bench.executor_seconds``)
+    executor_s: float = 0.0  # the executor's own host seconds per dispatch (``_cases.executor_seconds``)
     wake_s: dict[int, float] = field(default_factory=dict)  # by mesh size; 0 where not measured
     # the cost of cutting one program in two on one device (``LayerProfiler.boundary_seconds``)
     boundary_s: float = 0.0
@@ -92,7 +87,7 @@ def _placed(devices: int, rows: int, cols: int, fill: float) -> jax.Array:
 
 def dispatch_seconds(devices: int, repeats: int = 100) -> float:
     """d(k): median host time of one tiny jitted call on inputs placed on ``devices`` devices, waited for."""
-    from orchestrator.profile import median_seconds
+    from orchestrator.timing import median_seconds
 
     return median_seconds(jax.jit(lambda x: x + 1), _placed(devices, 1, 8, 0.0), repeats=repeats)
 
@@ -119,7 +114,7 @@ def buffer_seconds(repeats: int = 30) -> float:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from orchestrator.profile import median_seconds
+    from orchestrator.timing import median_seconds
 
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     sharding = NamedSharding(mesh, P())
@@ -137,7 +132,7 @@ class SlowdownRun:
     (``jax.shard_map`` over a leading axis of k copies), compiled once per k in ``counts`` and for
     one device, and timed one round at a time: a round (:meth:`sample`) runs it on 1 device and then
     on k devices for each k. Rounds can be interleaved with other measurements
-    (``_bench.timing_cases``)."""
+    (``_cases.timing_cases``)."""
 
     def __init__(self, step, *args, counts=MESH_SIZES):
         self.counts = [k for k in counts if 1 < k <= len(jax.devices())]
@@ -211,10 +206,9 @@ def wake_seconds(devices: int, busy: Callable[[], object], repeats: int = 20) ->
     """w(k): a tiny jitted call on ``devices`` devices right after ``busy()`` (waited for) against
     the same call right after itself, difference of the medians (at least 0).
 
-    After the recipe's forward and backward on all 8 devices the call took 114–233 µs more than
-    after itself (session 24). What ran before matters: gpt-tiny's one-device embedding stage
-    measured 0.25 ms right after a 4-device run and 0.27–0.36 ms right after the 8-device one, so
-    the timing case runs the same ``busy()`` before every stage it times."""
+    What ran before matters: a one-device stage takes longer right after an 8-device run than
+    right after a 4-device one, so the timing case runs the same ``busy()`` before every stage it
+    times."""
     x = _placed(devices, 1, 8, 0.0)
     tiny = jax.jit(lambda x: x + 1)
     jax.block_until_ready(tiny(x))

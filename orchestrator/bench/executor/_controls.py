@@ -1,6 +1,6 @@
 """Controls for the executor bench's stage timing: what a stage's time is, measured two other ways.
 
-The stage-timing cases (``_bench.timing_cases``) hold a prediction to 15% of a stage's time run
+The stage-timing cases (:func:`~._cases.timing_cases`) hold a prediction to 15% of a stage's time run
 alone. These controls measure how far that time itself is from two things any per-layer cost
 model rests on, with no model in between:
 
@@ -27,9 +27,10 @@ from collections.abc import Callable
 
 import jax
 
-from integrations.flax._bench import Setup, StageTimer, _gradients
-from integrations.flax._host import SlowdownRun
-from integrations.flax._parity import PLAN_NAMES, check_plan
+from orchestrator.bench.executor._alone import StageTimer
+from orchestrator.bench.executor._host import SlowdownRun
+from orchestrator.bench.executor._parity import PLAN_NAMES, check_plan
+from orchestrator.bench.executor._setup import Setup, _gradients
 
 
 def one_layer_stages(plan):
