@@ -2,6 +2,7 @@
 
 from integrations.flax._capture import CaptureWarning, capture, is_param_path, param_logical_axes, parse_name_stack
 from integrations.flax._nnx import from_nnx
+from integrations.flax._observe import Dispatch, PipelineObserver
 from integrations.flax._orchestrate import OrchestratedTrainState, orchestrate
 from integrations.flax._pipeline import Pipeline, cut_stages
 from integrations.flax._profile import profile_layers
@@ -14,9 +15,11 @@ from integrations.flax._xla import XlaFlops, XlaProgram, hlo_collective_bytes, x
 __all__ = [
     "CaptureWarning",
     "DevicesLost",
+    "Dispatch",
     "LoseDevices",
     "OrchestratedTrainState",
     "Pipeline",
+    "PipelineObserver",
     "RunConfig",
     "RunResult",
     "SlicedStep",
