@@ -1,88 +1,82 @@
-"""``Checkpointer``: asynchronous orbax checkpoints of the (sharded) state, the last k kept.
+"""``Checkpointer``: save a training state every k steps and restore the newest, for either framework.
 
-The state is saved as its Flax state dict (``flax.serialization.to_state_dict``:
-step, params, opt_state; the apply function and optimizer are code, not data),
-so any TrainState-like pytree works. Restoring reads straight into the
-shardings of a given target state: a state placed by
-:func:`~integrations.flax.shard` comes back on the plan's meshes.
+The callback decides *when* (every ``every`` steps and at the end of
+training); a :class:`CheckpointStore` decides *how*. The default store,
+:class:`OrbaxStore`, writes a JAX state asynchronously with orbax as its Flax
+state dict (``flax.serialization.to_state_dict``: step, params, opt_state;
+the apply function and optimizer are code, not data), so any TrainState-like
+pytree works, and restores straight into the shardings of a given target: a
+state placed by :func:`~integrations.flax.shard` comes back on the plan's
+meshes. :class:`~integrations.torch_xla.SPMDCheckpointStore` writes a sharded
+torch module and optimizer with ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-
-import jax
+from typing import Protocol
 
 from integrations.callbacks._base import Callback
 
 
-class Checkpointer(Callback):
-    """Saves every ``every`` steps (and at the end) into ``directory``, keeping the last ``keep``.
+class CheckpointStore(Protocol):
+    """Where a :class:`Checkpointer` writes and reads checkpoints, one per step.
 
-    Args:
-      directory: checkpoint root (created; must be absolute or is made absolute).
-      every: save after steps ``every − 1``, ``2·every − 1``, … (0-based).
-      keep: how many checkpoints to keep.
-      async_save: write in the background (orbax's async checkpointing).
-
-    Example:
-      >>> ckpt = Checkpointer("/tmp/run/ckpt", every=100, keep=3)  # doctest: +SKIP
-      >>> state = ckpt.restore(state)  # latest, into state's shardings  # doctest: +SKIP
+    Attributes:
+      directory: the checkpoint root.
+      holds_state: True if the store reads the live state itself (a torch
+        module and optimizer updated in place), so the training loop need not
+        pass ``state=`` to the hooks.
     """
 
-    def __init__(self, directory: str | Path, *, every: int = 1, keep: int = 3, async_save: bool = True):
-        import orbax.checkpoint as ocp
-
-        if every < 1 or keep < 1:
-            raise ValueError(f"Checkpointer needs every >= 1 and keep >= 1, got every={every}, keep={keep}")
-        self.directory = Path(directory).absolute()
-        self.every = every
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
-        self._last_saved: int | None = None
+    directory: Path
+    holds_state: bool
 
     def save(self, step: int, state) -> None:
-        """Start saving ``state`` as checkpoint ``step`` (returns before it is written when async)."""
+        """Write ``state`` (None when ``holds_state``) as checkpoint ``step``."""
+
+    def steps(self) -> list[int]:
+        """Steps with a checkpoint, oldest first."""
+
+    def restore(self, step: int, target):
+        """Read checkpoint ``step``, into ``target`` where the store needs one."""
+
+    def wait(self) -> None:
+        """Block until background writes are done."""
+
+    def close(self) -> None:
+        """Release the store's resources."""
+
+
+class OrbaxStore:
+    """A JAX state's checkpoints with orbax, the last ``keep`` kept, written in the background if ``async_save``."""
+
+    holds_state = False
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+        import orbax.checkpoint as ocp
+
+        if keep < 1:
+            raise ValueError(f"Checkpointer needs keep >= 1, got keep={keep}")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state) -> None:
         import orbax.checkpoint as ocp
         from flax import serialization
 
         self.manager.save(step, args=ocp.args.StandardSave(serialization.to_state_dict(state)))
-        self._last_saved = step
-
-    def on_step_end(self, step: int, metrics: Mapping, *, state=None) -> None:
-        if state is not None and (step + 1) % self.every == 0:
-            self.save(step, state)
-
-    def on_train_end(self, *, state=None) -> None:
-        if state is not None:
-            latest = self.manager.latest_step()
-            step = int(jax.device_get(state.step)) - 1 if hasattr(state, "step") else (latest or 0) + 1
-            if latest is None or step > latest:
-                self.save(step, state)
-        self.wait()
-
-    def wait(self) -> None:
-        """Block until background saves are written."""
-        self.manager.wait_until_finished()
 
     def steps(self) -> list[int]:
-        """Steps with a checkpoint on disk, oldest first."""
         return sorted(self.manager.all_steps())
 
-    def restore(self, target, step: int | None = None):
-        """The checkpoint ``step`` (latest if None) read into ``target``'s structure and shardings.
-
-        Raises:
-          FileNotFoundError: there is no checkpoint.
-        """
+    def restore(self, step: int, target):
+        import jax
         import orbax.checkpoint as ocp
         from flax import serialization
 
-        self.wait()
-        step = self.manager.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
             serialization.to_state_dict(target),
@@ -90,5 +84,104 @@ class Checkpointer(Callback):
         restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
         return serialization.from_state_dict(target, restored)
 
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
     def close(self) -> None:
         self.manager.close()
+
+
+class Checkpointer(Callback):
+    """Saves every ``every`` steps (and at the end) into a store; restores the newest.
+
+    Args:
+      directory: checkpoint root of the default :class:`OrbaxStore` (made absolute).
+      every: save after steps ``every − 1``, ``2·every − 1``, … (0-based).
+      keep, async_save: options of the default store (how many checkpoints it
+        keeps; whether it writes in the background).
+      store: a :class:`CheckpointStore` instead of the default one (then no ``directory``).
+
+    Raises:
+      ValueError: ``every`` or ``keep`` below 1, or neither or both of ``directory`` and ``store``.
+
+    Example:
+      >>> ckpt = Checkpointer("/tmp/run/ckpt", every=100, keep=3)  # doctest: +SKIP
+      >>> state = ckpt.restore(state)  # latest, into state's shardings  # doctest: +SKIP
+      >>> ckpt = Checkpointer(store=SPMDCheckpointStore("/tmp/ckpt", model, optimizer))  # torch  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        directory: str | Path | None = None,
+        *,
+        every: int = 1,
+        keep: int = 3,
+        async_save: bool = True,
+        store: CheckpointStore | None = None,
+    ):
+        if every < 1:
+            raise ValueError(f"Checkpointer needs every >= 1, got every={every}")
+        if (directory is None) == (store is None):
+            raise ValueError("Checkpointer takes a directory (for the default orbax store) or a store=, not both")
+        self.store = store if store is not None else OrbaxStore(directory, keep=keep, async_save=async_save)
+        self.directory = self.store.directory
+        self.every = every
+        self._last_step: int | None = None
+
+    @property
+    def manager(self):
+        """The default store's orbax ``CheckpointManager``."""
+        return self.store.manager
+
+    def save(self, step: int, state=None) -> None:
+        """Start saving ``state`` as checkpoint ``step`` (returns before it is written when async)."""
+        self.store.save(step, state)
+
+    def _can_save(self, state) -> bool:
+        return state is not None or self.store.holds_state
+
+    def on_step_end(self, step: int, metrics: Mapping, *, state=None) -> None:
+        self._last_step = step
+        if self._can_save(state) and (step + 1) % self.every == 0:
+            self.save(step, state)
+
+    def on_train_end(self, *, state=None) -> None:
+        if self._can_save(state):
+            # a TrainState counts the steps it took; its last one is the one to save
+            step = int(state.step) - 1 if hasattr(state, "step") else self._last_step
+            latest = self.latest_step()
+            if step is not None and (latest is None or step > latest):
+                self.save(step, state)
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until background saves are written."""
+        self.store.wait()
+
+    def steps(self) -> list[int]:
+        """Steps with a checkpoint on disk, oldest first."""
+        return self.store.steps()
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint's step, None if there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def restore(self, target=None, step: int | None = None):
+        """The checkpoint ``step`` (latest if None) read back by the store.
+
+        The orbax store returns it as ``target``'s structure on ``target``'s
+        shardings; a store that ``holds_state`` loads it in place and returns the step.
+
+        Raises:
+          FileNotFoundError: there is no such checkpoint.
+        """
+        self.wait()
+        available = self.steps()
+        step = available[-1] if step is None and available else step
+        if step is None or step not in available:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (found steps {available})")
+        return self.store.restore(step, target)
+
+    def close(self) -> None:
+        self.store.close()

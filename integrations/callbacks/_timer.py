@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Mapping
-
-import jax
 
 from integrations.callbacks._base import Callback
 
@@ -18,6 +17,10 @@ class StepTimeDrift(UserWarning):
 
 class StepTimer(Callback):
     """Times each step (wall clock, until its metrics are ready) and compares with the prediction.
+
+    One timer for both frameworks: jax metrics are waited for
+    (``jax.block_until_ready``); torch loops hand over metrics already read to
+    the host (:func:`~integrations.torch_xla.fit` calls ``float`` on them).
 
     The first ``warmup`` steps (compilation) are not counted. After every step
     past the warm-up, if the median of the last ``window`` steps differs from
@@ -47,7 +50,9 @@ class StepTimer(Callback):
         self._start = time.perf_counter()
 
     def on_step_end(self, step: int, metrics: Mapping, *, state=None) -> None:
-        jax.block_until_ready(metrics)
+        jax = sys.modules.get("jax")  # jax metrics exist only once jax is imported
+        if jax is not None:
+            jax.block_until_ready(metrics)
         elapsed = time.perf_counter() - self._start
         if step < self.warmup:
             return

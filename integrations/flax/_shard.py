@@ -3,14 +3,15 @@
 Every stage gets a 2-D mesh ``("data", "model")`` of shape ``(dp, tp)`` over
 its devices. A parameter is placed on the mesh of the stage that owns it (the
 stage holding the layer that first reads it, ``Layer.params``); its
-``PartitionSpec`` comes from its logical axis names by the rule
+``PartitionSpec`` comes from its logical axis names and the logical axis rules
+(``axis_rules=``, :data:`orchestrator.costs.DEFAULT_LOGICAL_AXIS_RULES` by default):
 
-    dim i  → "model"   for the first dim whose logical name is in ``tp_axes``
-                       (``heads``, ``mlp``, ``vocab``) and whose size tp divides
+    dim i  → "model"   for the first dim whose logical name the rules map to
+                       ``"model"`` and whose size tp divides
     dim i  → None      otherwise (replicated over "data": plain data parallelism)
 
 which is Megatron's column/row split for the recipes' kernels; it is
-:func:`orchestrator.costs.sharded_dim`, the rule the cost model prices. Optimizer-state
+:func:`orchestrator.costs.logical_to_mesh_axes`, the rule the cost model prices. Optimizer-state
 leaves whose key path ends with a parameter's key path and have its shape
 (AdamW's ``mu``, ``nu``) follow that parameter; with ``zero=True`` they are
 additionally split over ``"data"`` on their first free dimension that dp
@@ -28,9 +29,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from integrations.flax._capture import is_param_path, param_path_name
-from orchestrator.costs import DEFAULT_TP_AXES, sharded_dim
+from orchestrator.costs import DEFAULT_LOGICAL_AXIS_RULES, MODEL_AXIS, LogicalAxisRules, logical_to_mesh_axes
 
-DATA, MODEL = "data", "model"
+DATA, MODEL = "data", MODEL_AXIS
 
 
 def device_map(cluster=None) -> dict[str, jax.Device]:
@@ -78,13 +79,14 @@ def stage_mesh(stage, devices: Mapping[str, jax.Device] | None = None) -> Mesh:
     return Mesh(grid, (DATA, MODEL))
 
 
-def param_spec(shape: Sequence[int], axes: Sequence[str | None] | None, tp: int, tp_axes=DEFAULT_TP_AXES) -> P:
+def param_spec(
+    shape: Sequence[int],
+    axes: Sequence[str | None] | None,
+    tp: int,
+    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+) -> P:
     """The PartitionSpec of one parameter under tensor-parallel degree ``tp`` (see module docstring)."""
-    spec: list[str | None] = [None] * len(shape)
-    dim = sharded_dim(shape, axes, tp, tp_axes) if tp > 1 else None
-    if dim is not None:
-        spec[dim] = MODEL
-    return P(*spec)
+    return P(*logical_to_mesh_axes(shape, axes, tp, axis_rules))
 
 
 def _zero_spec(spec: P, shape: Sequence[int], dp: int) -> P:
@@ -151,7 +153,7 @@ def state_shardings(
     owners: Mapping[str, int] | None = None,
     cluster=None,
     zero: bool = False,
-    tp_axes=DEFAULT_TP_AXES,
+    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
 ):
     """A pytree of ``NamedSharding`` mirroring ``state`` (see module docstring).
 
@@ -162,6 +164,7 @@ def state_shardings(
       owners: parameter path → stage; required when the plan has several stages.
       cluster: resolves device refs (:func:`device_map`).
       zero: shard optimizer moments over ``"data"`` too (a stage whose plan says ``zero`` does anyway).
+      axis_rules: ``(logical axis name, mesh axis or None)`` pairs; the cost model's default if not given.
 
     Raises:
       ValueError: a multi-stage plan without ``owners``, or a parameter no stage owns.
@@ -184,7 +187,7 @@ def state_shardings(
     def param_sharding(name: str, shape, *, moment: bool) -> NamedSharding:
         s = owner_of(name)
         stage = plan.stages[s]
-        spec = param_spec(shape, param_axes.get(name), stage.tp, tp_axes)
+        spec = param_spec(shape, param_axes.get(name), stage.tp, axis_rules)
         if moment and (zero or stage.zero) and stage.dp > 1:
             spec = _zero_spec(spec, shape, stage.dp)
         return NamedSharding(meshes[s], spec)
@@ -209,7 +212,16 @@ def batch_sharding(batch, mesh: Mesh):
     return jax.tree.map(one, batch)
 
 
-def shard(plan, state, *, param_axes=None, layers=None, cluster=None, zero: bool = False):
+def shard(
+    plan,
+    state,
+    *,
+    param_axes=None,
+    layers=None,
+    cluster=None,
+    zero: bool = False,
+    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+):
     """``state`` as ``jax.Array``s placed per ``plan`` (see module docstring).
 
     Args:
@@ -220,6 +232,8 @@ def shard(plan, state, *, param_axes=None, layers=None, cluster=None, zero: bool
       cluster: the cluster the plan was made for (resolves device refs).
       zero: ZeRO-1 — optimizer moments also split over ``"data"`` (on every stage; a stage whose
         plan says ``zero`` is split without it).
+      axis_rules: ``(logical axis name, mesh axis or None)`` pairs, as the plan was priced with
+        (:data:`orchestrator.costs.DEFAULT_LOGICAL_AXIS_RULES` by default).
 
     Returns:
       The same pytree with every leaf a ``jax.Array`` carrying its ``NamedSharding``.
@@ -228,7 +242,9 @@ def shard(plan, state, *, param_axes=None, layers=None, cluster=None, zero: bool
       >>> sharded = shard(plan, state, param_axes=recipe.param_axes())  # doctest: +SKIP
     """
     owners = param_owners(plan, layers) if layers is not None else None
-    shardings = state_shardings(plan, state, param_axes=param_axes, owners=owners, cluster=cluster, zero=zero)
+    shardings = state_shardings(
+        plan, state, param_axes=param_axes, owners=owners, cluster=cluster, zero=zero, axis_rules=axis_rules
+    )
     # The compiled step donates the placed state: copy, so the caller's arrays survive.
     placed = jax.device_put(state, shardings, may_alias=False)
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, placed)

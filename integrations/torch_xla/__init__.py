@@ -2,20 +2,24 @@
 
 Importing this package imports torch; ``torch_xla`` itself is imported only
 when a plan is applied or a checkpoint written, so capture works without it.
+Training loops use the callbacks of :mod:`integrations.callbacks` (re-exported
+here: ``Callback``, ``StepTimer``, ``Checkpointer``), with
+:class:`SPMDCheckpointStore` as the checkpointer's torch store.
 """
 
-from integrations.torch_xla._apply import DEFAULT_TP_AXES, Layout, PlanNotSupported, apply, partition_spec
-from integrations.torch_xla._callbacks import Callback, StepTimer, fit
+from integrations.callbacks import Callback, Checkpointer, StepTimer
+from integrations.torch_xla._apply import Layout, PlanNotSupported, apply, partition_spec
+from integrations.torch_xla._callbacks import fit
 from integrations.torch_xla._capture import CaptureWarning, capture, scope_path
-from integrations.torch_xla._checkpoint import Checkpointer
+from integrations.torch_xla._checkpoint import SPMDCheckpointStore
 
 __all__ = [
-    "DEFAULT_TP_AXES",
     "Callback",
     "CaptureWarning",
     "Checkpointer",
     "Layout",
     "PlanNotSupported",
+    "SPMDCheckpointStore",
     "StepTimer",
     "apply",
     "capture",

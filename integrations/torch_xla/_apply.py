@@ -1,9 +1,11 @@
 """Run a single-stage plan with PyTorch/XLA SPMD: one mesh, shardings from the plan, a step function.
 
 A plan stage with tensor-parallel degree t and data-parallel degree p becomes
-the mesh ``("data", "model") = (p, t)`` over all t·p devices. A parameter
-dimension whose logical axis name is in ``tp_axes`` is split over ``"model"``
-(Megatron: attention heads and MLP columns; XLA's SPMD partitioner then
+the mesh ``("data", "model") = (p, t)`` over all t·p devices. A parameter is
+split over ``"model"`` on the dim :func:`orchestrator.costs.logical_to_mesh_axes`
+names, by the logical axis rules the cost model priced the plan with
+(``axis_rules=``; Megatron's attention heads, MLP columns and vocabulary by
+default, a dim that t does not divide skipped; XLA's SPMD partitioner then
 all-reduces the row-parallel outputs and the column-parallel input
 gradients), every other dimension is replicated, and the batch dimension of
 the inputs is split over ``"data"`` (XLA all-reduces the gradients over it).
@@ -26,9 +28,8 @@ import torch
 from torch import nn
 
 from integrations.torch_xla._capture import scope_path
+from orchestrator.costs import DEFAULT_LOGICAL_AXIS_RULES, LogicalAxisRules, logical_to_mesh_axes, tensor_parallel_axes
 from orchestrator.planner import Plan
-
-DEFAULT_TP_AXES = frozenset({"heads", "mlp"})
 
 
 class PlanNotSupported(ValueError):
@@ -52,26 +53,21 @@ class Layout:
 
 
 def partition_spec(
-    axes: Sequence[str | None] | None, shape: Sequence[int], tp: int, tp_axes: frozenset[str], name: str
+    axes: Sequence[str | None] | None,
+    shape: Sequence[int],
+    tp: int,
+    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
 ) -> tuple[str | None, ...]:
-    """The partition spec of one parameter: ``"model"`` on the first dim whose logical axis is in ``tp_axes``.
+    """The partition spec of one parameter: :func:`orchestrator.costs.logical_to_mesh_axes`, the cost model's rule.
 
-    Raises:
-      PlanNotSupported: if that dim does not divide by ``tp``.
+    ``"model"`` on the first dim whose logical axis the rules map to
+    ``"model"`` and whose size ``tp`` divides; every other dim replicated.
+
+    Example:
+      >>> partition_spec(("embed", "mlp"), (32, 128), 4)
+      (None, 'model')
     """
-    spec: list[str | None] = [None] * len(shape)
-    if tp == 1 or not axes:
-        return tuple(spec)
-    for dim, axis in enumerate(axes):
-        if axis in tp_axes:
-            if shape[dim] % tp:
-                raise PlanNotSupported(
-                    f"parameter {name!r}: dim {dim} ({axis}) has size {shape[dim]}, not divisible by tp={tp}; "
-                    "choose a tensor-parallel degree that divides it"
-                )
-            spec[dim] = "model"
-            break
-    return tuple(spec)
+    return logical_to_mesh_axes(shape, axes, tp, axis_rules)
 
 
 def apply(
@@ -81,7 +77,7 @@ def apply(
     *,
     loss_fn: Callable | None = None,
     param_axes: Mapping[str, Sequence[str | None]] | None = None,
-    tp_axes: frozenset[str] = DEFAULT_TP_AXES,
+    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
     zero: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """Shard ``module`` and ``optimizer`` per ``plan`` on the local XLA devices; return a step function.
@@ -102,17 +98,21 @@ def apply(
       loss_fn: ``loss_fn(module(*inputs), target)``; None if the module returns the loss.
       param_axes: logical axis names per parameter in Flax form
         (``blocks_0/mlp/c_fc/kernel``: ``("embed", "mlp")``); needed for tp > 1.
-      tp_axes: the logical axes the ``"model"`` mesh axis splits.
+      axis_rules: ``(logical axis name, mesh axis or None)`` pairs saying which
+        dims ``"model"`` splits; the ones the plan was priced with
+        (``CostModel(axis_rules=)``, :data:`orchestrator.costs.DEFAULT_LOGICAL_AXIS_RULES` by default).
       zero: also split the optimizer moments over ``"data"`` (ZeRO stage 1).
 
     Returns:
       ``step(*inputs, target)`` (or ``step(*inputs)`` without ``loss_fn``):
       one optimizer step over the plan's microbatches, returning the mean loss
-      as a 0-d XLA tensor. ``step.layout`` is the :class:`Layout` used.
+      as a 0-d XLA tensor. ``step.layout`` is the :class:`Layout` used,
+      ``step.plan`` the plan (what :func:`~integrations.torch_xla.fit` hands the callbacks).
 
     Raises:
       PlanNotSupported: a pipeline plan, a device count that differs from the
-        local one, tp > 1 without ``param_axes``, or a dim that does not divide.
+        local one, or tp > 1 without ``param_axes``.
+      ValueError: a malformed ``axis_rules`` table.
     """
     if len(plan.stages) != 1:
         raise PlanNotSupported(
@@ -121,6 +121,7 @@ def apply(
         )
     [stage] = plan.stages
     tp, dp = stage.tp, stage.dp
+    tensor_parallel_axes(axis_rules)  # a malformed table fails before torch_xla starts
     if tp > 1 and not param_axes:
         raise PlanNotSupported(f"tp={tp} needs param_axes= (logical axis names of the parameters)")
     import numpy as np
@@ -145,8 +146,7 @@ def apply(
     _repoint(optimizer, names, moved, device)
     specs = {}
     for name, param in moved.items():
-        path = scope_path(name)
-        specs[name] = partition_spec((param_axes or {}).get(path), param.shape, tp, tp_axes, path)
+        specs[name] = partition_spec((param_axes or {}).get(scope_path(name)), param.shape, tp, axis_rules)
         xs.mark_sharding(param, mesh, specs[name])
     for name, param in moved.items():
         for value in optimizer.state.get(param, {}).values():
@@ -176,7 +176,7 @@ def apply(
         torch_xla.sync()
         return total
 
-    step.layout = layout
+    step.layout, step.plan = layout, plan
     return step
 
 

@@ -35,6 +35,7 @@ FREE = frozenset(
     constant_pad_nd flip roll repeat diagonal tril triu iota rand randn bernoulli""".split()
 )
 SCATTER_ADD = frozenset({"index_put", "scatter_add", "index_add"})
+LOOKUPS = frozenset({"aten.index", "aten.embedding", "aten.gather"})  # XLA lowers each to a gather
 SKIP = frozenset({"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"})
 
 

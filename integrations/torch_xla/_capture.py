@@ -19,8 +19,10 @@ Scopes take the Flax form (``GPT/blocks_3/attn``): the root module's class
 name, then the module path with ``ModuleList`` indices joined by ``_``, so
 coarsening groups a torch model as it groups the same Flax model. Parameter
 paths take the same form (``blocks_3/attn/c_attn/kernel``). Matmuls are
-recorded under the primitive name ``dot_general`` (the cost model's
-tensor-parallel rules key on it); every other op keeps its ATen name.
+recorded under the primitive name ``dot_general`` and lookups (``index``,
+``embedding``, ``gather``) under ``gather``, the names jaxprs give them (the
+cost model's tensor-parallel rules and memory traffic key on them); every
+other op keeps its ATen name.
 
 Tensors may live on the ``meta`` device: nothing is allocated or computed.
 """
@@ -251,7 +253,7 @@ def _build(graph: OpGraph, traced: torch.fx.GraphModule, paths: list[str], marks
         kind, flops, transcendentals = rule
         if name == "aten.add" and any(producer.get(a) in sparse for a in inputs):
             flops = 0.0  # XLA scatters the sparse updates into the other operand (as in the Flax capture)
-        primitive = "dot_general" if kind == "matmul" else name
+        primitive = "dot_general" if kind == "matmul" else "gather" if name in _aten.LOOKUPS else name
         op_name = f"{name.removeprefix('aten.')}_{counter[name]}"
         counter[name] += 1
         reads = [param_of[a] for a in inputs if a in param_of]

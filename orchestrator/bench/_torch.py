@@ -50,7 +50,7 @@ def _plan(dp: int, tp: int, batch: int, layers: int):
     return Plan(stages=(stage,), schedule="1f1b", microbatches=1, global_batch=batch, iteration_s=0.0)
 
 
-def predicted_collective_bytes(graph, plan, param_axes, tp_axes, *, zero: bool = False) -> float:
+def predicted_collective_bytes(graph, plan, param_axes, axis_rules, *, zero: bool = False) -> float:
     """The planner's collective bytes per device for one step of a one-stage ``plan`` (TP all-reduces + DP sync)."""
     from orchestrator.cluster import load_cluster
     from orchestrator.coarsen import coarsen
@@ -60,7 +60,9 @@ def predicted_collective_bytes(graph, plan, param_axes, tp_axes, *, zero: bool =
     cluster = load_cluster("a100x8")  # bytes do not depend on the device type or links
     device_type = next(iter(cluster.device_types))
     [stage] = plan.stages
-    model = CostModel(graph, layers, cluster, batch_size=plan.global_batch, param_axes=param_axes, tp_axes=tp_axes)
+    model = CostModel(
+        graph, layers, cluster, batch_size=plan.global_batch, param_axes=param_axes, axis_rules=axis_rules
+    )
     config = ParallelConfig(tp=stage.tp, dp=stage.dp, microbatch_size=stage.microbatch_size, zero=zero)
     total = 0.0
     for layer in stage.layers:
@@ -102,7 +104,7 @@ def _hlo_grab(dump: Path, at_step: int):
         def on_step_begin(self, step: int) -> None:
             self.before = set(dump.glob("*cpu_after_optimizations.txt"))
 
-        def on_step_end(self, step: int, metrics) -> None:
+        def on_step_end(self, step: int, metrics, *, state=None) -> None:
             if step != at_step:
                 return
             new = [p for p in dump.glob("*cpu_after_optimizations.txt") if p not in self.before]
@@ -172,8 +174,8 @@ def run(
     xr.global_runtime_device_count()
 
     from integrations.flax import hlo_collective_bytes
-    from integrations.torch_xla import Checkpointer, StepTimer, apply, capture, fit
-    from integrations.torch_xla._apply import DEFAULT_TP_AXES
+    from integrations.torch_xla import Checkpointer, SPMDCheckpointStore, StepTimer, apply, capture, fit
+    from orchestrator.costs import DEFAULT_LOGICAL_AXIS_RULES
     from recipes.torch_gpt import GPT, GPT_PRESETS, loss_fn, param_axes, synthetic_batch
 
     dump = Path(os.environ["ORCHESTRATOR_HLO_DUMP"])
@@ -184,7 +186,7 @@ def run(
         meta_model = GPT(config)
     example = torch.empty(batch, seq, dtype=torch.long, device="meta")
     graph = capture(meta_model, example, example, loss_fn=loss_fn)
-    axes = param_axes(config)
+    axes, rules = param_axes(config), DEFAULT_LOGICAL_AXIS_RULES
     n_layers = 2 + config.num_layers
     records = []
     for name, dp, tp, zero in [(*c, False) for c in configs] + [(*c, True) for c in zero_configs]:
@@ -194,11 +196,12 @@ def run(
         torch.manual_seed(0)
         model = GPT(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        step = apply(plan, model, optimizer, loss_fn=loss_fn, param_axes=axes, tp_axes=DEFAULT_TP_AXES, zero=zero)
-        timer, grab = StepTimer(), _hlo_grab(dump, at_step=1)
+        step = apply(plan, model, optimizer, loss_fn=loss_fn, param_axes=axes, axis_rules=rules, zero=zero)
+        timer, grab = StepTimer(warmup=0), _hlo_grab(dump, at_step=1)  # every step timed, compiles included
         callbacks = [timer, grab]
         if checkpoint_dir is not None and name == configs[0][0]:
-            checkpointer = Checkpointer(Path(checkpoint_dir) / name, model, optimizer, every_steps=steps)
+            store = SPMDCheckpointStore(Path(checkpoint_dir) / name, model, optimizer)
+            checkpointer = Checkpointer(store=store, every=steps)
             callbacks.append(checkpointer)
         history = fit(step, [(b["inputs"], b["targets"]) for b in batches], callbacks)
         losses, hlo = [h["loss"] for h in history], grab.hlo
@@ -209,7 +212,7 @@ def run(
         delta = sum(float(((params[n] - p) ** 2).sum()) for n, p in ref_params.items())
         norm = sum(float((p**2).sum()) for p in ref_params.values())
         measured = hlo_collective_bytes(hlo)
-        predicted = predicted_collective_bytes(graph, plan, axes, DEFAULT_TP_AXES, zero=zero)
+        predicted = predicted_collective_bytes(graph, plan, axes, rules, zero=zero)
         records.append(
             {
                 "name": f"{preset} {name} (dp={dp}, tp={tp}), batch {batch}x{seq}, {steps} steps",

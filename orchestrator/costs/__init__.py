@@ -6,26 +6,33 @@ from orchestrator.costs._liveness import Liveness, liveness
 from orchestrator.costs._model import CostModel, LayerCost, ParallelConfig
 from orchestrator.costs._roofline import EFFICIENCY_CLASSES, Efficiency, op_terms, op_time_s
 from orchestrator.costs._sharding import (
-    DEFAULT_TP_AXES,
+    DEFAULT_LOGICAL_AXIS_RULES,
+    MODEL_AXIS,
+    LogicalAxisRules,
     TensorParallelTraits,
+    logical_to_mesh_axes,
     param_role,
     sharded_dim,
+    tensor_parallel_axes,
     tensor_parallel_traits,
 )
 
 __all__ = [
-    "DEFAULT_TP_AXES",
+    "DEFAULT_LOGICAL_AXIS_RULES",
     "EFFICIENCY_CLASSES",
+    "MODEL_AXIS",
     "CostModel",
     "Efficiency",
     "LayerCost",
     "Liveness",
+    "LogicalAxisRules",
     "ParallelConfig",
     "TensorParallelTraits",
     "all_gather_s",
     "all_reduce_s",
     "batch_independent_ops",
     "liveness",
+    "logical_to_mesh_axes",
     "op_terms",
     "op_time_s",
     "p2p_s",
@@ -33,5 +40,6 @@ __all__ = [
     "reduce_scatter_s",
     "sharded_dim",
     "synced_gradient_bytes",
+    "tensor_parallel_axes",
     "tensor_parallel_traits",
 ]

@@ -43,7 +43,13 @@ from orchestrator.costs import _collectives as coll
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, liveness, traffic_bytes
 from orchestrator.costs._roofline import Efficiency, op_time_s
-from orchestrator.costs._sharding import DEFAULT_TP_AXES, TensorParallelTraits, tensor_parallel_traits
+from orchestrator.costs._sharding import (
+    DEFAULT_LOGICAL_AXIS_RULES,
+    LogicalAxisRules,
+    TensorParallelTraits,
+    tensor_parallel_axes,
+    tensor_parallel_traits,
+)
 from orchestrator.graph import OpGraph
 
 DataParallelSync = Literal["all_reduce", "reduce_scatter"]
@@ -110,7 +116,10 @@ class CostModel:
       cluster: device types and links.
       batch_size: samples in the captured step (what ``m / B`` scales by).
       param_axes: logical axis names per parameter path (enables TP > 1).
-      tp_axes: logical axes the tensor-parallel mesh axis shards.
+      axis_rules: ``(logical axis name, mesh axis or None)`` pairs that say which
+        parameter dims the tensor-parallel mesh axis ``"model"`` splits
+        (:data:`~orchestrator.costs.DEFAULT_LOGICAL_AXIS_RULES` if None); the
+        executors must run with the same rules.
       efficiency: per device type.
       default_efficiency: for device types not in ``efficiency`` (for example
         the local device's calibrated one, to project absent types by their
@@ -134,7 +143,7 @@ class CostModel:
         *,
         batch_size: int,
         param_axes: Mapping[str, Sequence[str | None]] | None = None,
-        tp_axes: frozenset[str] = DEFAULT_TP_AXES,
+        axis_rules: LogicalAxisRules | None = None,
         efficiency: Mapping[str, Efficiency] | None = None,
         default_efficiency: Efficiency | None = None,
         measured: Mapping[str, object] | None = None,
@@ -148,8 +157,10 @@ class CostModel:
         self.default_efficiency = default_efficiency or Efficiency()
         self.measured = dict(measured or {})
         self.measured_batch_size = measured_batch_size or batch_size
-        self.param_axes, self.tp_axes = dict(param_axes or {}), tp_axes
-        self.traits = tensor_parallel_traits(graph, self.param_axes, tp_axes)
+        self.param_axes = dict(param_axes or {})
+        self.axis_rules = tuple(axis_rules) if axis_rules is not None else DEFAULT_LOGICAL_AXIS_RULES
+        tensor_parallel_axes(self.axis_rules)  # a malformed table fails here, not at the first priced layer
+        self.traits = tensor_parallel_traits(graph, self.param_axes, self.axis_rules)
         self.tensor_parallel = bool(param_axes)
         self._constant_ops = batch_independent_ops(graph)
         param_shapes = {spec.shape for spec in graph.params.values()}
@@ -206,7 +217,7 @@ class CostModel:
         return self._memo(
             self._graph_memo,
             ("traits", tp),
-            lambda: tensor_parallel_traits(self.graph, self.param_axes, self.tp_axes, tp),
+            lambda: tensor_parallel_traits(self.graph, self.param_axes, self.axis_rules, tp),
         )
 
     def _scale(self, name: str, tp: int, microbatch: int) -> float:

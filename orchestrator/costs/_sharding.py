@@ -1,14 +1,20 @@
 """Which tensors and ops of a captured step tensor parallelism splits, and where it all-reduces.
 
-Parameters carry logical axis names (``("embed", "heads")``); ``tp_axes`` names
-the logical axes that the tensor-parallel mesh axis may shard (by default
-``heads``, ``mlp`` and ``vocab``). Under degree t a parameter is split on
+Parameters carry logical axis names (``("embed", "heads")``); a table of
+logical axis rules, ``(logical axis name, mesh axis or None)`` pairs in the
+form of flax's ``nn.logical_axis_rules`` and maxtext's ``logical_axis_rules``,
+maps them onto the mesh ``("data", "model")`` every stage runs on. The cost
+model and both executors (``integrations.flax``, ``integrations.torch_xla``)
+read the same table (:data:`DEFAULT_LOGICAL_AXIS_RULES` unless the user passes
+``axis_rules=``) and place a parameter by the same rule. Under degree t a
+parameter is split over ``"model"`` on
 
-    its first dim whose logical name is in ``tp_axes`` and whose size t divides
+    its first dim whose logical name the rules map to ``"model"`` and whose size t divides
 
-and replicated if there is none (:func:`sharded_dim`; the executor places
-parameters by this same function, so t = 8 over 4 heads leaves attention
-replicated). A kernel laid out as (inputs…, outputs…), as Flax lays them out, is
+and replicated if there is none (:func:`sharded_dim`): a dim that does not
+divide is skipped, so t = 8 over 4 heads leaves attention replicated, and the
+plan the cost model prices is the plan the executors run. A kernel laid out
+as (inputs…, outputs…), as Flax lays them out, is
 
 * **column-parallel** if a later dim is split (Megatron's first matmul of a pair);
 * **row-parallel** if its first dim is split (the second matmul of the pair;
@@ -36,11 +42,12 @@ remembers S, the global size of its split dim:
 * any other op is split if one of its inputs is (a reshape carries S to the
   output dim that now holds the split one).
 
-A split op does 1/t of its work on each of t devices. This is exactly what
-XLA's SPMD partitioner emits for our recipes (measured on gpt2-small: two
-forward and two backward all-reduces of the block's activation per layer; on
-gpt-tiny with its vocabulary split, one more for the embedding lookup and three
-small ones for the cross-entropy).
+A split op does 1/t of its work on each of t devices. These are the
+collectives XLA's SPMD partitioner emits for the recipes: two forward and two
+backward all-reduces of the block's activation per transformer layer and, with
+the vocabulary split, one more for the embedding lookup and three small ones
+for the cross-entropy (``orchestrator bench fidelity`` and ``orchestrator bench
+torch`` compare them with the compiled HLO).
 
 The graph keeps shapes but not which dims an op reduces, so "the split dim is
 gone" is read from the count of dims of size S; a model whose split size
@@ -57,7 +64,28 @@ from typing import Literal
 from orchestrator.graph import OpGraph
 
 Role = Literal["replicated", "sharded", "column", "row", "param"]
-DEFAULT_TP_AXES = frozenset({"heads", "mlp", "vocab"})
+LogicalAxisRules = Sequence[tuple[str, str | None]]
+"""``(logical axis name, mesh axis or None)`` pairs; the first pair naming an axis decides it."""
+
+MODEL_AXIS = "model"  # the tensor-parallel mesh axis; "data" carries the batch and ZeRO's moments
+DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("heads", MODEL_AXIS),
+    ("mlp", MODEL_AXIS),
+    ("vocab", MODEL_AXIS),
+    ("embed", None),
+    ("kv", None),
+)
+"""Megatron's split: attention heads and MLP columns, and the vocabulary of the embedding table.
+
+Splitting ``heads`` and ``mlp`` gives the column/row matmul pairs of a
+transformer block (one all-reduce each way per pair). ``vocab`` splits the
+embedding table and the tied LM head that reads it, so the logits and the
+cross-entropy work divide too; both executors run it (XLA's SPMD partitioner
+turns the lookup into a masked local gather plus an all-reduce), and the cost
+model prices those all-reduces. ``embed`` (the residual stream) and ``kv``
+(the head dim) stay replicated: splitting them would all-reduce inside every
+matmul of the block.
+"""
 _PARAM_ROLES = ("column", "row", "param")
 _SPLIT_ROLES = ("sharded", "column", "row")
 # Ops that can drop a split dim: the devices then hold partial results.
@@ -65,31 +93,83 @@ _GATHERS = frozenset({"gather"})
 _RESHAPES = frozenset({"reshape"})
 
 
+def tensor_parallel_axes(rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES) -> frozenset[str]:
+    """The logical axis names that ``rules`` map to the tensor-parallel mesh axis ``"model"``.
+
+    Raises:
+      ValueError: a rule is not a (name, mesh axis) pair, or names a mesh axis other than ``"model"`` or None.
+
+    Example:
+      >>> sorted(tensor_parallel_axes((("heads", "model"), ("mlp", None), ("heads", None))))
+      ['heads']
+    """
+    split, seen = set(), set()
+    for rule in rules:
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(f"axis rule {rule!r} is not a (logical axis name, mesh axis or None) pair")
+        name, mesh_axis = rule
+        if mesh_axis not in (MODEL_AXIS, None):
+            raise ValueError(f"axis rule {rule!r}: parameters split over {MODEL_AXIS!r} or nothing (None)")
+        if name not in seen and mesh_axis == MODEL_AXIS:
+            split.add(name)
+        seen.add(name)
+    return frozenset(split)
+
+
 def sharded_dim(
-    shape: Sequence[int] | None, axes: Sequence[str | None] | None, tp: int | None, tp_axes: frozenset[str]
+    shape: Sequence[int] | None,
+    axes: Sequence[str | None] | None,
+    tp: int | None,
+    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
 ) -> int | None:
     """The dim of a parameter that tensor-parallel degree ``tp`` splits, or None if it stays replicated.
 
-    The first dim whose logical name is in ``tp_axes`` and whose size ``tp``
-    divides. Without a shape or degree, divisibility is not checked.
+    The first dim whose logical name ``rules`` map to ``"model"`` and whose
+    size ``tp`` divides; a dim that does not divide is skipped. Without a shape
+    or degree, divisibility is not checked.
 
     Example:
-      >>> sharded_dim((64, 3, 4, 16), ("embed", None, "heads", "kv"), 2, frozenset({"heads"}))
+      >>> sharded_dim((64, 3, 4, 16), ("embed", None, "heads", "kv"), 2)
       2
-      >>> sharded_dim((64, 3, 4, 16), ("embed", None, "heads", "kv"), 8, frozenset({"heads"})) is None
+      >>> sharded_dim((64, 3, 4, 16), ("embed", None, "heads", "kv"), 8) is None
       True
+      >>> sharded_dim((6, 8), ("heads", "mlp"), 4)  # 6 heads do not divide: the mlp dim is split
+      1
     """
+    split = tensor_parallel_axes(rules)
     for i, name in enumerate(axes or ()):
-        if name not in tp_axes:
+        if name not in split:
             continue
         if shape is None or tp is None or (i < len(shape) and shape[i] % tp == 0):
             return i
     return None
 
 
+def logical_to_mesh_axes(
+    shape: Sequence[int],
+    axes: Sequence[str | None] | None,
+    tp: int,
+    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+) -> tuple[str | None, ...]:
+    """The mesh axis of each dim of a parameter under degree ``tp``: ``"model"`` on :func:`sharded_dim`, else None.
+
+    Both executors build their partition specs from it (``PartitionSpec(*…)``
+    in Flax, ``xs.mark_sharding(…)`` in torch_xla).
+
+    Example:
+      >>> logical_to_mesh_axes((64, 3, 4, 16), ("embed", None, "heads", "kv"), 2)
+      (None, None, 'model', None)
+    """
+    spec: list[str | None] = [None] * len(shape)
+    dim = sharded_dim(shape, axes, tp, rules) if tp > 1 else None
+    if dim is not None:
+        spec[dim] = MODEL_AXIS
+    return tuple(spec)
+
+
 def param_role(
     axes: Sequence[str | None] | None,
-    tp_axes: frozenset[str],
+    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
     *,
     shape: Sequence[int] | None = None,
     tp: int | None = None,
@@ -99,7 +179,7 @@ def param_role(
     A one-dimensional parameter (bias, scale) lies along a layer's output, so a
     split one belongs to a column-parallel layer.
     """
-    dim = sharded_dim(shape, axes, tp, tp_axes)
+    dim = sharded_dim(shape, axes, tp, rules)
     if dim is None:
         return "param"
     return "row" if dim == 0 and len(axes or ()) > 1 else "column"
@@ -146,19 +226,19 @@ def _reshaped_size(in_shape: Sequence[int], size: int, out_shape: Sequence[int])
 def tensor_parallel_traits(
     graph: OpGraph,
     param_axes: Mapping[str, Sequence[str | None]],
-    tp_axes: frozenset[str] = DEFAULT_TP_AXES,
+    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
     tp: int | None = None,
 ) -> TensorParallelTraits:
     """Tag every op of ``graph`` (rules in the module docstring) for tensor-parallel degree ``tp``.
 
-    With ``tp=None`` every dim named in ``tp_axes`` counts as divisible.
+    With ``tp=None`` every dim that ``rules`` map to ``"model"`` counts as divisible.
     """
     param_roles: dict[str, Role] = {}
     param_sizes: dict[str, int] = {}
     for path, spec in graph.params.items():
         axes = param_axes.get(path)
-        param_roles[path] = param_role(axes, tp_axes, shape=spec.shape, tp=tp)
-        dim = sharded_dim(spec.shape, axes, tp, tp_axes)
+        param_roles[path] = param_role(axes, rules, shape=spec.shape, tp=tp)
+        dim = sharded_dim(spec.shape, axes, tp, rules)
         if dim is not None:
             param_sizes[path] = spec.shape[dim]
     roles: dict[str, Role] = {}
@@ -171,6 +251,8 @@ def tensor_parallel_traits(
         sharded = "sharded" in inputs
         tp_param = "column" in inputs or "row" in inputs
         activation = any(r not in _PARAM_ROLES for r in inputs)
+        # an input no op produced and no parameter is: the step's own input (token ids read straight from the batch)
+        external = len(op.inputs) > len(preds) + len(op.param_reads)
         split_inputs = [p for p in preds if roles[p] in _SPLIT_ROLES] + [p for p in op.param_reads if p in param_sizes]
         known = (sizes.get(p, param_sizes.get(p)) for p in split_inputs)
         size = next((s for s in known if s is not None), None)
@@ -189,7 +271,7 @@ def tensor_parallel_traits(
             role = "replicated"  # partial reductions or lookups on each device
             split.add(op.name)
             allreduce.add(op.name)
-        elif op.primitive in _GATHERS and activation and "row" in inputs and dropped:
+        elif op.primitive in _GATHERS and (activation or external) and "row" in inputs and dropped:
             role = "replicated"  # each device looks up the rows it holds
             allreduce.add(op.name)
         elif sharded:

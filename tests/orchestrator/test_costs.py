@@ -15,6 +15,7 @@ from integrations.flax import capture, param_logical_axes, xla_program
 from orchestrator.cluster import Link, load_cluster
 from orchestrator.coarsen import coarsen
 from orchestrator.costs import (
+    DEFAULT_LOGICAL_AXIS_RULES,
     CostModel,
     Efficiency,
     ParallelConfig,
@@ -25,6 +26,7 @@ from orchestrator.costs import (
     param_role,
     reduce_scatter_s,
     sharded_dim,
+    tensor_parallel_axes,
 )
 from orchestrator.costs._liveness import materialized_ops, traffic_bytes
 from orchestrator.graph import Op, OpGraph, TensorSpec
@@ -32,7 +34,7 @@ from recipes import get_recipe
 from recipes.gpt import Block, GPTConfig
 
 LINK = Link(bandwidth_bytes_per_s=100e9, latency_s=5e-6)
-TP = frozenset({"heads", "mlp"})
+TP = (("heads", "model"), ("mlp", "model"))
 
 
 def test_collective_formulas():
@@ -81,8 +83,30 @@ def test_executor_places_parameters_by_the_rule_the_costs_price():
     for tp in (2, 4, 8):
         for path, axes in recipe.param_axes().items():
             spec = tuple(param_spec(shapes[path], axes, tp)) + (None,) * len(shapes[path])
-            dim = sharded_dim(shapes[path], axes, tp, frozenset({"heads", "mlp", "vocab"}))
+            dim = sharded_dim(shapes[path], axes, tp, DEFAULT_LOGICAL_AXIS_RULES)
             assert [i for i, entry in enumerate(spec) if entry == MODEL] == ([] if dim is None else [dim]), path
+
+
+def test_axis_rules_are_one_user_table():
+    assert tensor_parallel_axes(DEFAULT_LOGICAL_AXIS_RULES) == {"heads", "mlp", "vocab"}
+    # the first rule naming an axis decides it, as in flax's nn.logical_axis_rules
+    assert tensor_parallel_axes((("vocab", None), ("vocab", "model"), ("mlp", "model"))) == {"mlp"}
+    with pytest.raises(ValueError, match="split over 'model' or nothing"):
+        tensor_parallel_axes((("heads", "data"),))
+    with pytest.raises(ValueError, match="is not a"):
+        tensor_parallel_axes(("heads",))
+    graph, layers = _gpt_tiny()
+    axes = get_recipe("gpt-tiny").param_axes()
+    cluster = load_cluster("a100x8")
+    default = CostModel(graph, layers, cluster, batch_size=16, param_axes=axes)
+    no_vocab = CostModel(
+        graph, layers, cluster, batch_size=16, param_axes=axes, axis_rules=(("heads", "model"), ("mlp", "model"))
+    )
+    assert default.traits_for(2).param_roles["wte/embedding"] == "row"
+    assert no_vocab.traits_for(2).param_roles["wte/embedding"] == "param"
+    assert no_vocab.traits_for(2).param_roles["blocks_0/mlp/c_fc/kernel"] == "column"
+    with pytest.raises(ValueError, match="split over 'model'"):
+        CostModel(graph, layers, cluster, batch_size=16, param_axes=axes, axis_rules=(("mlp", "data"),))
 
 
 def test_gathers_and_scatters_move_the_rows_they_touch_not_the_table():

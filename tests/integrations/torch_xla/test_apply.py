@@ -13,9 +13,8 @@ import sys
 import pytest
 import torch
 
-from integrations.torch_xla import PlanNotSupported, StepTimer, apply, fit, partition_spec
+from integrations.torch_xla import Callback, Checkpointer, PlanNotSupported, StepTimer, apply, fit, partition_spec
 from orchestrator.bench._torch import _plan
-from integrations.torch_xla._callbacks import Callback
 from orchestrator.planner import Plan
 
 
@@ -81,41 +80,119 @@ def test_pipeline_plans_are_refused():
         apply(two, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
 
 
-def test_tensor_parallel_needs_axes_and_divisible_dims():
+def test_tensor_parallel_needs_axes():
     with pytest.raises(PlanNotSupported, match="param_axes"):
         lin = torch.nn.Linear(2, 2)
         apply(_plan(1, 2, 8, 4), lin, torch.optim.SGD(lin.parameters(), lr=0.1))
-    with pytest.raises(PlanNotSupported, match="not divisible by tp=4"):
-        partition_spec(("embed", "mlp"), (32, 6), 4, frozenset({"mlp"}), "mlp/c_fc/kernel")
-    assert partition_spec(("embed", None, "heads", "kv"), (32, 3, 4, 8), 2, frozenset({"heads"}), "k") == (
-        None,
-        None,
-        "model",
-        None,
-    )
-    assert partition_spec(("embed", "mlp"), (32, 128), 1, frozenset({"mlp"}), "k") == (None, None)
+    assert partition_spec(("embed", None, "heads", "kv"), (32, 3, 4, 8), 2) == (None, None, "model", None)
+    assert partition_spec(("embed", "mlp"), (32, 128), 1) == (None, None)
+    assert partition_spec(("vocab", "embed"), (64, 32), 4) == ("model", None)  # the default table splits vocab
+    assert partition_spec(("vocab", "embed"), (64, 32), 4, (("vocab", None),)) == (None, None)
+
+
+class _HeadsThenMlp(torch.nn.Module):
+    """One (heads, mlp) = (6, 8) weight: tp = 4 does not divide its first tensor-parallel dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(6, 8))
+
+    def forward(self, x):  # (batch, 6)
+        return (x @ self.w).square().mean()
+
+
+def test_a_dim_that_does_not_divide_is_skipped_alike_by_costs_flax_and_torch():
+    from integrations.flax._shard import param_spec
+    from integrations.torch_xla import capture
+    from orchestrator.cluster import load_cluster
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel, sharded_dim
+
+    axes, shape, tp = ("heads", "mlp"), (6, 8), 4
+    graph = capture(_HeadsThenMlp(), torch.ones(2, 6))
+    model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=2, param_axes={"w": axes})
+    assert sharded_dim(graph.params["w"].shape, axes, tp) == 1
+    assert model.traits_for(tp).param_roles["w"] == "column"  # its later (mlp) dim is split
+    assert tuple(param_spec(shape, axes, tp)) == (None, "model")
+    assert partition_spec(axes, shape, tp) == (None, "model")
 
 
 def test_fit_calls_hooks_in_order():
     events = []
 
     class Recorder(Callback):
-        def on_train_begin(self):
+        def on_train_begin(self, *, state=None, plan=None):
             events.append("begin")
 
         def on_step_begin(self, step):
             events.append(f"step {step}")
 
-        def on_step_end(self, step, metrics):
+        def on_step_end(self, step, metrics, *, state=None):
             events.append(f"end {step} {metrics['loss']:.1f}")
 
-        def on_train_end(self):
+        def on_train_end(self, *, state=None):
             events.append("done")
 
-    timer = StepTimer()
+    timer = StepTimer()  # the first step (compilation) is not timed
     history = fit(lambda x: torch.tensor(x * 2.0), [(1.0,), (2.0,)], callbacks=[Recorder(), timer])
     assert history == [{"loss": 2.0}, {"loss": 4.0}]
     assert events == ["begin", "step 0", "end 0 2.0", "step 1", "end 1 4.0", "done"]
-    assert len(timer.times_s) == 2 and timer.median_s(skip=1) == timer.times_s[1]
-    with pytest.raises(ValueError, match="no step"):
-        StepTimer().median_s()
+    assert len(timer.times_s) == 1 and timer.median_s == timer.times_s[0]
+    assert StepTimer().median_s is None  # no step timed yet
+
+
+def test_one_callback_protocol_for_both_frameworks():
+    import integrations.callbacks as shared
+    import integrations.torch_xla as tx
+
+    assert (tx.Callback, tx.StepTimer, tx.Checkpointer) == (shared.Callback, shared.StepTimer, shared.Checkpointer)
+
+
+def test_fit_hands_the_plan_to_the_callbacks():
+    plan = _plan(1, 1, 8, 4)
+    seen = []
+
+    class PlanOf(Callback):
+        def on_train_begin(self, *, state=None, plan=None):
+            seen.append(plan)
+
+    def step(x):
+        return torch.tensor(x)
+
+    step.plan = plan
+    fit(step, [(1.0,)], [PlanOf()])
+    assert seen == [plan]
+
+
+def test_checkpointer_saves_on_schedule_through_a_store(tmp_path):
+    class Store:  # a store that reads the live state itself, as the torch one does
+        holds_state = True
+        directory = tmp_path
+
+        def __init__(self):
+            self.saved = []
+
+        def save(self, step, state):
+            self.saved.append(step)
+
+        def steps(self):
+            return list(self.saved)
+
+        def restore(self, step, target):
+            return step
+
+        def wait(self):
+            pass
+
+        def close(self):
+            pass
+
+    store = Store()
+    checkpointer = Checkpointer(store=store, every=2)
+    fit(lambda x: torch.tensor(x), [(1.0,)] * 5, [checkpointer])
+    assert store.saved == [1, 3, 4]  # every second step, then the last one at the end
+    assert checkpointer.restore() == 4
+    with pytest.raises(FileNotFoundError, match="no checkpoint for step 7"):
+        checkpointer.restore(step=7)
+    with pytest.raises(ValueError, match="not both"):
+        Checkpointer(tmp_path, store=store)
