@@ -12,7 +12,7 @@ ops fuse into the ops that read them and are recomputed there. We model that:
   recomputes wherever it is read, nor for a residual computed elementwise
   from one same-shaped value that is itself kept for the backward (GELU's
   ``0.5·(1 + tanh(…))`` from the kept ``tanh``: XLA recomputes it at no memory
-  cost, measured on a gpt2-small block and a small one alike);
+  cost);
 * an all-reduce is out of place: while it runs, its input and its result
   both hold a buffer;
 * a fused value occupies no memory, but keeps the values it is computed from
@@ -22,14 +22,11 @@ Buffers are allocated when produced and freed after their last use; the peak
 of the live total is the program's temporary memory. Program outputs (values
 no op reads: gradients, the input's gradient) are not in that total: XLA
 allocates them apart for the whole program (``memory_analysis()``'s output
-bytes), and the cost model counts them whole, so a peak that held only the
-outputs produced so far and then subtracted all of them fell short by the
-rest (−16 MiB of a gpt2-small block's 327 MiB at DP2×TP4). Each op's bytes are
+bytes), and the cost model counts them whole. Each op's bytes are
 scaled by ``scale(op_name)`` (1/t for tensor-parallel shards, the microbatch
 fraction for batch-dependent values).
 
-What XLA:CPU keeps of a LayerNorm (read from its buffer assignment, ``--xla_dump_to``, jax
-0.10.2): the (batch, seq, d) broadcasts of each LayerNorm's ``rsqrt`` and scale (two per
+What XLA:CPU keeps of a LayerNorm (read from its buffer assignment, ``--xla_dump_to``): the (batch, seq, d) broadcasts of each LayerNorm's ``rsqrt`` and scale (two per
 LayerNorm), which the model does not keep, while it recomputes ``x − mean`` and ``rsqrt·scale``,
 which the model keeps: the two cancel. Above a size, XLA keeps ``rsqrt·scale`` as well. The
 rule is XLA:CPU's: ``IsInstructionPreferredByYnn`` (``xla/backends/cpu/ynn_support.cc``) lets
@@ -40,12 +37,9 @@ from 4,096 tokens on a device it joins the fusion that reduces the input gradien
 (``row_fusion_elements``, on CPU clusters only): a kept forward residual computed
 from a per-row statistic — an elementwise value of shape (…, 1) with fewer elements than the
 residual — with at least ``YNN_MIN_ELEMENTS`` of them on a device holds a second buffer of its size.
-Measured against ``memory_analysis()`` on gpt2-small's block: DP2×TP4 (4,096 tokens a device)
-−11.5% without the rule, −4.2% with it; DP8 and DP4×TP2 (1,024 and 2,048 tokens) unchanged at
-−1.6% and −0.2%. On a d = 64 block, unsharded, from 1,024 to 8,192 tokens a device the error is
-−11.6%, −11.6%, −11.3%, −11.3% with the rule (−15.0% at 4,096 and 8,192 without it): the step
-at the threshold is gone. What is left there (−11%) does not depend on size and is not modelled;
-gpt2-small's block unsharded at 8,192 tokens is −17.8% (−20.2% without the rule).
+With it the error against ``memory_analysis()`` does not step at the threshold; a shortfall that
+does not depend on size remains on XLA:CPU and is not modelled (``orchestrator bench fidelity``
+reports the model against ``memory_analysis()``).
 """
 
 from __future__ import annotations

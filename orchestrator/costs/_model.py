@@ -19,9 +19,8 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
 
 An op works on the batch if its output depends on it or it reads a value that
 does: a weight gradient x^T·dy has a parameter's shape, but its FLOPs grow with
-the batch it contracts over. (Until session 6 only the first counted, so at
-microbatch 32 the planner priced gpt2-small's block backward at 1.35× its
-forward instead of 1.75×.) Memory scales by the first only: a weight
+the batch it contracts over, so a block's backward costs about twice its
+forward at any microbatch. Memory scales by the first only: a weight
 gradient's buffer is one parameter's size at any batch.
 
 Identical layers (same signature) share every entry: costs are cached by
@@ -189,7 +188,7 @@ class CostModel:
 
     def with_cluster(self, cluster: Cluster) -> CostModel:
         """This model on another cluster (devices lost or added, links changed), sharing every
-        graph-derived table, so re-planning does not redo them (on gpt-13b: seconds). Op times
+        graph-derived table, so re-planning does not redo them (seconds on a large model). Op times
         are shared too while the device types are unchanged."""
         other = copy.copy(self)
         other.cluster = cluster
@@ -326,8 +325,8 @@ class CostModel:
         """Parameters whose gradient layer ``index`` produces: its own and every parameter its
         forward ops read. A tied parameter (GPT's token embedding, read again by the head)
         contributes once per reading layer, and XLA all-reduces each contribution separately
-        under data parallelism (measured on gpt-tiny DP4, in JAX and torch_xla alike: 65,536
-        bytes more than the parameter bytes, exactly the tied embedding)."""
+        under data parallelism, in JAX and torch_xla alike (``tests/integrations/torch_xla/test_apply.py``
+        checks it against the compiled HLO)."""
         return self._memo(self._graph_memo, ("contributions", index), lambda: self._contributions(index))
 
     def _contributions(self, index: int) -> tuple[str, ...]:

@@ -6,10 +6,10 @@
 
 where the class is matmul or other arithmetic, and bytes of data movement
 (gather, scatter, transpose, ...) have their own efficiency. The terms add
-rather than overlap (a roofline would take their maximum): calibrated on
-gpt2-small's profiled layers on this CPU, the additive form predicted the
-forward pieces better (block −19%, head +2%, against −25% and −12% with the
-maximum), and the byte efficiencies absorb the traffic that fusion saves. The
+rather than overlap (a roofline would take their maximum): the pieces of a
+fused layer on a CPU run one after another rather than hiding behind each
+other, so the sum fits profiled layers better than the maximum, and the byte
+efficiencies absorb the traffic that fusion saves. The
 efficiencies are fractions of the datasheet peak that real kernels reach;
 :mod:`orchestrator.profile` calibrates them for the local device from measured
 layer times. The defaults below are typical of tuned GPU kernels (large
@@ -20,20 +20,16 @@ The last term is a matmul's cost per output element (loading and storing the
 output tiles: the M·N part of a GEMM's M·N·K), priced as one extra
 multiply-add per element. It is what makes a matmul with a short contraction
 slower per FLOP than a long one: attention's K = 64 products against the
-K = 768 projections. Fitted on three gpt2-small profiles on this CPU, it moved
-the blocks from −16% to −8% and the head from +10% to +2%.
+K = 768 projections.
 
 Where the device lists its last-level cache (``DeviceType.cache_bytes``), the
 bytes of an arithmetic op whose largest tensor is bigger than the cache are
 priced apart (``e_memory_streamed``): they stream from main memory, while a
 smaller op's operands are served by the cache (the cache-aware roofline of
-Ilić et al., 2014). On this CPU (32 MiB L3) that is what separates AdamW over
-gpt2-small's 154 MB embedding table (1.55 ns per parameter) from AdamW over a
-block's ≤ 9.4 MB tensors (1.2 ns): with one memory efficiency the embedding
-layer was 36% under its profile; with the split, fitted on gpt2-small batch 1
-and checked on profiles it was not fitted on, the embedding layers of
-gpt2-small at batch 4 × 256 and of mamba-130m came within 9% (they were
-33–39% under).
+Ilić et al., 2014). That is what separates an optimizer update over a token
+embedding table larger than the cache, which costs more per parameter, from
+one over a block's tensors, which fit in it; ``orchestrator bench fidelity``
+reports the model against profiled layers.
 """
 
 from __future__ import annotations
