@@ -91,16 +91,7 @@ def checks(result: dict) -> list[dict]:
 
 def _row(case: str, metric: str, predicted, measured, error: float | None, tolerance: float | None) -> dict:
     """A check row; ``tolerance`` None marks an informational row that passes or fails nothing."""
-    if tolerance is None:
-        return {
-            "case": case,
-            "metric": metric,
-            "predicted": predicted,
-            "measured": measured,
-            "rel_err": error,
-            "tolerance": None,
-            "ok": None,
-        }
+    ok = None if tolerance is None else abs(error) <= tolerance
     return {
         "case": case,
         "metric": metric,
@@ -108,7 +99,7 @@ def _row(case: str, metric: str, predicted, measured, error: float | None, toler
         "measured": measured,
         "rel_err": error,
         "tolerance": tolerance,
-        "ok": abs(error) <= tolerance,
+        "ok": ok,
     }
 
 
