@@ -25,8 +25,6 @@ from jax.extend import core as jcore
 from integrations.flax._capture import _key_name, capture, is_param_path, param_path_name
 from integrations.flax._slice import SlicedStep
 
-Kind = str  # "param" | "batch" | "act"
-
 
 @dataclass(slots=True)
 class StageProgram:
