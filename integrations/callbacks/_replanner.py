@@ -4,8 +4,8 @@
 the pipeline executor's observers, blocks on every program call and adds its time to its stage: ``b_s(t)``,
 the busy seconds of stage s in step t, on one of two clocks: ``"wall"``, or ``"cpu"``, the
 process's CPU seconds, which on virtual CPU devices is the work itself and does not change
-when other processes take the cores (measured on this machine at load 7–9 on 2 cores: the
-stage-to-stage CPU ratio stays within ±10% step to step, the wall ratio swings 0.9–1.9×).
+when other processes take the cores (on a loaded machine the stage-to-stage CPU ratio holds
+steady step to step while the wall-clock ratio swings).
 ``"auto"`` picks ``"cpu"`` on CPU devices and ``"wall"`` otherwise; step times, compile time
 and the switch rule use the same clock. The prediction comes from the plan priced under the
 current cost model (``price``): per microbatch stage time τ_s, send σ_s, optimizer u_s and
@@ -222,7 +222,12 @@ class Replanner(Callback):
         refs = [d.ref for d in self._model.cluster.all_devices()]
         return translate(self.run.plan, self._model.cluster, self._refs, refs)
 
-    def _decide(self, decision: Decision) -> Decision:
+    def _decide(self, step: int, action: Action, message: str, *, drift=(), stage_layers=None, **numbers) -> Decision:
+        """Record and log a :class:`Decision` (``stage_layers``: the running plan's, unless given)."""
+        stage_layers = _layers(self.run.plan) if stage_layers is None else stage_layers
+        decision = Decision(
+            step=step, action=action, message=message, drift=tuple(drift), stage_layers=stage_layers, **numbers
+        )
         self.decisions.append(decision)
         log.info(decision.message)
         return decision
@@ -234,12 +239,7 @@ class Replanner(Callback):
             self._model, self._running = self.run.cost_model, self.run.plan
             self._reset(compiling=True)
             self._decide(
-                Decision(
-                    step=step,
-                    action="adopt",
-                    stage_layers=_layers(self.run.plan),
-                    message=f"step {step}: the run switched to stages {_layers(self.run.plan)}; calibrating again",
-                )
+                step, "adopt", f"step {step}: the run switched to stages {_layers(self.run.plan)}; calibrating again"
             )
         self._start, self._start_cpu = time.perf_counter(), time.process_time()
 
@@ -275,25 +275,18 @@ class Replanner(Callback):
             self._replan(step, drift, drifted)
         elif any(self._streak):
             self._decide(
-                Decision(
-                    step=step,
-                    action="suspect",
-                    drift=tuple(drift),
-                    stage_layers=_layers(self.run.plan),
-                    message=f"step {step}: smoothed stage ratios {_fmt(drift)}, above {self.threshold:g} for "
-                    f"{max(self._streak)} of {self.patience} steps",
-                )
+                step,
+                "suspect",
+                f"step {step}: smoothed stage ratios {_fmt(drift)}, above {self.threshold:g} for "
+                f"{max(self._streak)} of {self.patience} steps",
+                drift=drift,
             )
         elif max(r) > self.threshold:
             self._decide(
-                Decision(
-                    step=step,
-                    action="outlier",
-                    drift=tuple(r),
-                    stage_layers=_layers(self.run.plan),
-                    message=f"step {step}: stage ratios {_fmt(r)} exceed {self.threshold:g} this step; "
-                    f"smoothed {_fmt(drift)}: ignored",
-                )
+                step,
+                "outlier",
+                f"step {step}: stage ratios {_fmt(r)} exceed {self.threshold:g} this step; smoothed {_fmt(drift)}: ignored",
+                drift=r,
             )
 
     def _calibrate(self, step: int, x: list[float]) -> None:
@@ -314,17 +307,8 @@ class Replanner(Callback):
             cost = self._switch_reshard_s + self._compile_s
             message += f"; the switch cost {cost:.2f} s (reshard {self._switch_reshard_s:.3f} s + compile)"
             self._switch_reshard_s = None
-        self._decide(
-            Decision(
-                step=step,
-                action="switched" if cost is not None else "calibrate",
-                message=message,
-                drift=tuple(self._baseline),
-                stage_layers=_layers(self.run.plan),
-                measured_step_s=steady,
-                cost_s=cost,
-            )
-        )
+        action = "switched" if cost is not None else "calibrate"
+        self._decide(step, action, message, drift=self._baseline, measured_step_s=steady, cost_s=cost)
 
     def _replan(self, step: int, drift: list[float], drifted: list[int]) -> None:
         running = self.run.plan
@@ -337,16 +321,14 @@ class Replanner(Callback):
         model = SlowedCosts(self._base_model, cluster, slowed)
         current = translate(running, cluster, self._refs, refs)
         self._decide(
-            Decision(
-                step=step,
-                action="drift",
-                drift=tuple(drift),
-                stage_layers=_layers(running),
-                factors={self._device_ids[i]: f for i, f in self.factors.items()},
-                message=f"step {step}: stage(s) {drifted} drifted (smoothed {_fmt(drift)} > {self.threshold:g} "
-                f"for {self.patience} steps): device speed factors now "
-                f"{ {self._device_ids[i]: round(f, 2) for i, f in sorted(self.factors.items())} }; re-planning",
-            )
+            step,
+            "drift",
+            f"step {step}: stage(s) {drifted} drifted (smoothed {_fmt(drift)} > {self.threshold:g} "
+            f"for {self.patience} steps): device speed factors now "
+            f"{ {self._device_ids[i]: round(f, 2) for i, f in sorted(self.factors.items())} }; re-planning",
+            drift=drift,
+            stage_layers=_layers(running),
+            factors={self._device_ids[i]: f for i, f in self.factors.items()},
         )
         started = time.perf_counter()
         proposed = replan(
@@ -377,21 +359,19 @@ class Replanner(Callback):
             else f"layers {_layers(current)} → {_layers(proposed)}" + ("" if switch else " rejected")
         )
         self._decide(
-            Decision(
-                step=step,
-                action="switch" if switch else "keep",
-                drift=tuple(drift),
-                stage_layers=_layers(current),
-                new_stage_layers=_layers(proposed),
-                factors={self._device_ids[i]: f for i, f in self.factors.items()},
-                measured_step_s=measured,
-                predicted_current_s=t_current,
-                predicted_new_s=t_new,
-                gain_s=gain,
-                cost_s=cost,
-                replan_s=replan_s,
-                message=f"step {step}: {'switch' if switch else 'keep'}: {verdict}; {numbers}",
-            )
+            step,
+            "switch" if switch else "keep",
+            f"step {step}: {'switch' if switch else 'keep'}: {verdict}; {numbers}",
+            drift=drift,
+            stage_layers=_layers(current),
+            new_stage_layers=_layers(proposed),
+            factors={self._device_ids[i]: f for i, f in self.factors.items()},
+            measured_step_s=measured,
+            predicted_current_s=t_current,
+            predicted_new_s=t_new,
+            gain_s=gain,
+            cost_s=cost,
+            replan_s=replan_s,
         )
         self._model = model
         if switch:
