@@ -349,10 +349,9 @@ def test_positional_table_syncs_only_the_rows_read():
 
 @pytest.mark.parametrize("plan_name", ["DP8", "TP8", "DP2xTP4"])
 def test_gpt_tiny_collectives_match_xla(plan_name):
-    from integrations.flax._communication import measured_collectives, predicted_collectives
     from integrations.flax._shard import shard
     from integrations.flax._step import compile_step
-    from orchestrator.bench.executor import check_plan
+    from orchestrator.bench.executor import check_plan, measured_collectives, predicted_collectives
 
     recipe = get_recipe("gpt-tiny")
     graph, layers = _gpt_tiny()

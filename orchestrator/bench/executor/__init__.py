@@ -13,6 +13,7 @@ from orchestrator.bench.executor._cases import (
     self_agreement,
     timing_cases,
 )
+from orchestrator.bench.executor._communication import measured_collectives, predicted_collectives
 from orchestrator.bench.executor._controls import control_cases, one_layer_stages
 from orchestrator.bench.executor._host import HostCosts, SlowdownRun, measure_host_costs
 from orchestrator.bench.executor._parity import PLAN_NAMES, Parity, check_plan, parity
@@ -30,9 +31,11 @@ __all__ = [
     "control_cases",
     "kendall_tau",
     "measure_host_costs",
+    "measured_collectives",
     "one_layer_stages",
     "parity",
     "parity_cases",
+    "predicted_collectives",
     "ranking_case",
     "run",
     "self_agreement",

@@ -39,6 +39,7 @@ import jax
 
 from orchestrator.bench._case import rel_err
 from orchestrator.bench.executor._alone import StageTimer
+from orchestrator.bench.executor._communication import KINDS, measured_collectives, predicted_collectives
 from orchestrator.bench.executor._controls import control_cases
 from orchestrator.bench.executor._host import SlowdownRun
 from orchestrator.bench.executor._model import predicted_stage_seconds, simulated_step_s
@@ -145,7 +146,6 @@ def parity_cases(progress: Callable[[str], None] | None = None, *, recipes=("gpt
 
 def communication_cases(su: Setup, progress=None) -> list[dict]:
     from integrations.flax import compile_step, shard
-    from integrations.flax._communication import KINDS, measured_collectives, predicted_collectives
 
     name = su.recipe.name
     cases = []

@@ -1,4 +1,5 @@
-"""What a plan is predicted to communicate vs the collectives XLA compiled for it.
+"""The executor bench's communication cases: what a plan is predicted to communicate vs the
+collectives XLA compiled for it.
 
 Per stage s with M microbatches, the cost model's prediction per device is
 
@@ -43,8 +44,7 @@ def predicted_collectives(plan, model, device_type: str) -> list[dict[str, float
 
 def measured_collectives(step, state, batch) -> tuple[list[dict[str, int]], object]:
     """Per stage, collective bytes per device per step in the compiled programs, and the state after one step."""
-    from integrations.flax._pipeline import Pipeline
-    from integrations.flax._xla import hlo_collective_bytes
+    from integrations.flax import Pipeline, hlo_collective_bytes
 
     if isinstance(step, Pipeline):
         return step.collective_bytes(state, batch)
