@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.training.train_state import TrainState
+from flax.traverse_util import flatten_dict
 
 from recipes.gpt import GPT, GPT_PRESETS, GPTConfig
 from recipes.mamba import MAMBA_PRESETS, Mamba, MambaConfig
-from recipes.train import adamw, create_train_state, train_step
+from recipes.train import adamw, create_train_state, synthetic_batch, train_step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,14 +58,49 @@ class Recipe:
         return jax.eval_shape(lambda rng: self.create_state(rng, learning_rate=learning_rate), jax.random.key(0))
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
-        """Logical axis names of every parameter (``"blocks_0/mlp/c_fc/kernel": ("embed", "mlp")``)."""
-        from integrations.flax import param_logical_axes
+        """Logical axis names of every parameter (``"blocks_0/mlp/c_fc/kernel": ("embed", "mlp")``).
 
+        Read with Flax alone, from the ``nn.with_logical_partitioning`` boxes of an abstract init
+        (``nn.get_partition_spec``, paths joined with ``/``), so recipes stand on Flax only; it is
+        the table ``integrations.flax.param_logical_axes`` gives for any boxed model.
+        """
         example = jax.ShapeDtypeStruct((1, min(self.seq_len, 8)), jnp.int32)
         boxed = jax.eval_shape(self.model().init, jax.random.key(0), example)
-        return param_logical_axes(boxed["params"])
+        specs = flatten_dict(nn.get_partition_spec(boxed["params"]), sep="/")
+        return {path: tuple(spec) for path, spec in specs.items()}
+
+    def initial_state(self, seed: int, *, learning_rate: float = 3e-4) -> TrainState:
+        """The state before step 0 (on the default device): a pure function of ``seed`` and ``learning_rate``.
+
+        Its key is the first half of ``split(key(seed))``; :meth:`batch_for_step` draws from the second.
+        """
+        return _jitted_create_state(self, learning_rate)(jax.random.split(jax.random.key(seed))[0])
+
+    def batch_for_step(self, seed: int, step: int, batch_size: int | None = None, seq_len: int | None = None) -> dict:
+        """The synthetic batch of step ``step``: a pure function of ``(seed, step)`` and the batch shape.
+
+        Drawn with ``fold_in(data_key, step)``, ``data_key`` the second half of ``split(key(seed))``, so
+        a run that resumes or recovers at any step sees the batches an uninterrupted run sees.
+        """
+        shape = (batch_size or self.batch_size, seq_len or self.seq_len)
+        return _batch(seed, step, *shape, self.config.vocab_size)
 
     train_step = staticmethod(train_step)
+
+
+@functools.cache
+def _jitted_create_state(recipe: Recipe, learning_rate: float):
+    """``recipe.create_state`` under ``jax.jit``, once per process: eager init costs seconds of dispatch, and
+    states made by one jitted init share their static fields (``apply_fn``, ``tx``), so a step compiled for
+    one of them serves the others."""
+    return jax.jit(lambda key: recipe.create_state(key, learning_rate=learning_rate))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _batch(seed, step, batch_size: int, seq_len: int, vocab_size: int) -> dict:
+    # one dispatch per step: the key derivation runs eagerly op by op otherwise
+    data_key = jax.random.split(jax.random.key(seed))[1]
+    return synthetic_batch(jax.random.fold_in(data_key, step), batch_size, seq_len, vocab_size)
 
 
 def _default_shape(name: str, config: GPTConfig | MambaConfig) -> tuple[int, int]:

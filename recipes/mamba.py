@@ -98,9 +98,8 @@ class CausalConv1d(nn.Module):
 
     Written out instead of ``nn.Conv(feature_group_count=channels)`` because
     XLA's CPU backend computes the weight gradient of a grouped convolution as
-    a dense one, ``channels`` times the work (measured: 66.2 MFLOP instead of
-    1.8 MFLOP for 128 channels); the shifted form costs what the math costs on
-    every backend.
+    a dense one, ``channels`` times the work; the shifted form costs what the
+    math costs on every backend.
     """
 
     width: int

@@ -48,8 +48,7 @@ class LayerNorm(nn.Module):
     y = (x − E[x]) · rsqrt(E[x²] − E[x]² + ε) · scale + bias, written out rather
     than ``F.layer_norm``: torch_xla lowers that to a batch-norm over a
     (1, batch·seq, d) reshape, which XLA's SPMD partitioner all-gathers when
-    the batch is split (measured: ten (1, 256, 64) all-gathers per step of
-    gpt-tiny under DP4).
+    the batch is split.
     """
 
     def __init__(self, d: int):
@@ -81,8 +80,8 @@ class Head(nn.Module):
     Computed as (E xᵀ)ᵀ so that autograd forms E's gradient as a (vocab, d)
     matmul, the layout of the lookup's scatter-add gradient; XLA then adds the
     two partial sums before one data-parallel all-reduce. ``x @ E.t()`` (and
-    ``F.linear``) produce a transposed (d, vocab) gradient that XLA all-reduced
-    on its own (measured: 65,536 extra bytes for gpt-tiny under DP4).
+    ``F.linear``) produce a transposed (d, vocab) gradient that XLA all-reduces
+    on its own, a second all-reduce of the embedding's size.
     """
 
     def forward(self, x, embedding):  # x: (batch, seq, d) → (batch, seq, vocab)

@@ -6,7 +6,7 @@ from integrations.flax._observe import Dispatch, PipelineObserver
 from integrations.flax._orchestrate import OrchestratedTrainState, orchestrate
 from integrations.flax._pipeline import Pipeline, cut_stages
 from integrations.flax._profile import profile_layers
-from integrations.flax._run import DevicesLost, LoseDevices, RunConfig, RunResult, train
+from integrations.flax._run import DevicesLost, LoseDevices, RunConfig, RunResult, latest_checkpoint, train
 from integrations.flax._shard import shard, stage_mesh, state_shardings
 from integrations.flax._slice import SlicedStep, piece_flops
 from integrations.flax._step import compile_step
@@ -31,6 +31,7 @@ __all__ = [
     "from_nnx",
     "hlo_collective_bytes",
     "is_param_path",
+    "latest_checkpoint",
     "orchestrate",
     "param_logical_axes",
     "parse_name_stack",

@@ -119,6 +119,40 @@ def _conductor(train_step: Callable, policy) -> Callable:
     return conductor.optimize(train_step, policy=None if policy is True else policy)
 
 
+def global_batch_of(batch) -> int:
+    """The leading (batch) dim that every leaf of ``batch`` shares.
+
+    Raises:
+      ValueError: the leaves disagree.
+    """
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1:
+        raise ValueError(f"every batch leaf needs the same leading (batch) dim, got {sorted(sizes)}")
+    return sizes.pop()
+
+
+def cost_model(train_step: Callable, state, batch, cluster, *, param_axes: Mapping | None = None, profile: bool = True):
+    """The :class:`~orchestrator.costs.CostModel` of ``train_step`` on ``cluster``: captured, coarsened and,
+    when planning for ``local`` with ``profile``, priced by layer times measured on the local device.
+
+    ``state`` and ``batch`` may be arrays or ``jax.ShapeDtypeStruct``; the batch is the global one.
+    """
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel
+
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    graph = capture(train_step, abstract, spec)
+    layers = coarsen(graph)
+    global_batch = global_batch_of(spec)
+    measured = None
+    if profile and cluster.name == "local":
+        from integrations.flax._profile import profile_layers
+
+        measured = profile_layers(train_step, abstract, spec, graph=graph, layers=layers)
+    return CostModel(graph, layers, cluster, batch_size=global_batch, param_axes=param_axes, measured=measured)
+
+
 def orchestrate(
     state,
     train_step: Callable,
@@ -143,7 +177,8 @@ def orchestrate(
       cluster: a :class:`~orchestrator.cluster.Cluster` or a preset name; execution needs its devices to be
         jax's devices (``"local"``).
       batch: an example batch (arrays or ``jax.ShapeDtypeStruct``), at the global batch size.
-      param_axes: logical axis names by parameter path (``Recipe.param_axes()``); enables tensor parallelism.
+      param_axes: logical axis names by parameter path (:func:`~integrations.flax.param_logical_axes`
+        of the model's boxed parameters); enables tensor parallelism.
       plan: execute this plan instead of planning.
       callbacks: run around every step.
       conductor: rewrite the step with :mod:`conductor` kernels first (``conductor.optimize``): True for
@@ -158,31 +193,18 @@ def orchestrate(
       An :class:`OrchestratedTrainState`; call ``.step(batch)`` in the loop.
 
     Example:
-      >>> run = orchestrate(state, train_step, "local", batch=batch, param_axes=recipe.param_axes())  # doctest: +SKIP
+      >>> axes = param_logical_axes(jax.eval_shape(model.init, key, tokens)["params"])  # doctest: +SKIP
+      >>> run = orchestrate(state, train_step, "local", batch=batch, param_axes=axes)  # doctest: +SKIP
       >>> metrics = run.step(batch)  # doctest: +SKIP
     """
     from orchestrator.cluster import load_cluster
-    from orchestrator.coarsen import coarsen
-    from orchestrator.costs import CostModel
 
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
-    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     if conductor:
         train_step = _conductor(train_step, conductor)
-    graph = capture(train_step, abstract, spec)
-    layers = coarsen(graph)
-    global_batch = {x.shape[0] for x in jax.tree.leaves(spec)}
-    if len(global_batch) != 1:
-        raise ValueError(f"every batch leaf needs the same leading (batch) dim, got {sorted(global_batch)}")
-    [global_batch] = global_batch
-    measured = None
-    if profile and cluster.name == "local":
-        from integrations.flax._profile import profile_layers
-
-        measured = profile_layers(train_step, abstract, spec, graph=graph, layers=layers)
-    model = CostModel(graph, layers, cluster, batch_size=global_batch, param_axes=param_axes, measured=measured)
+    model = cost_model(train_step, state, batch, cluster, param_axes=param_axes, profile=profile)
+    graph, layers, global_batch = model.graph, model.layers, model.batch_size
     if plan is None:
         from orchestrator.planner import plan as make_plan
 

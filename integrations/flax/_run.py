@@ -1,20 +1,24 @@
 """A training run that survives being killed, losing devices, and moving to another cluster.
 
-A run lives in a directory::
+:func:`train` takes the model as a step, an initial state and a batch function, and a run
+directory::
 
-    RUN_DIR/run.json   the RunConfig: recipe, batch, seed, total steps, checkpoint cadence,
-                       cluster and the devices out of service, and the plan being executed
+    RUN_DIR/run.json   the RunConfig: total steps, checkpoint cadence, the cluster and its devices
+                       out of service, the plan being executed, and the caller's metadata
     RUN_DIR/ckpt/<k>   orbax checkpoint of the state after step k (0-based; ``state.step == k + 1``)
 
 Decisions:
 
-* **Data order is a pure function of (seed, step)**: the batch of step k is
-  ``synthetic_batch(fold_in(data_key, k), ...)`` with ``data_key`` split from ``key(seed)``
-  (:func:`batch_for_step`), so a resumed or recovered run sees every batch exactly once.
+* **Data is addressed by step**: ``batches(k)`` is the batch of step k, and must be a pure function
+  of k, so a resumed or recovered run, which runs steps again from a checkpoint, sees every batch
+  exactly once. An iterator could not be rewound to a checkpoint.
+* **The model comes from the caller; run.json records what a resume needs**: the step, state and
+  batches are arguments of every :func:`train` call, never stored; ``RunConfig.metadata`` holds
+  whatever the caller needs to build them again (``orchestrator train`` stores its recipe, batch
+  shape and seed there), and :func:`train` never reads it.
 * **``state.step`` is the truth.** Checkpoint k holds the state after step k; resuming reads the
   latest one and continues at ``state.step`` (checked to be k + 1). With no checkpoint the run
-  starts again from the initial state, which is a pure function of the seed too, so no
-  checkpoint of step −1 is written.
+  starts again from ``init_state``, a pure function too, so no checkpoint of step −1 is written.
 * **Restoring reshards**: zeros shaped like the state are placed under the plan being executed
   (:func:`~integrations.flax.orchestrate`) and the checkpoint is read into their shardings, so
   parameters and optimizer state land on the new plan's meshes whatever plan wrote them.
@@ -32,14 +36,13 @@ Decisions:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -83,25 +86,19 @@ class RunConfig:
     """What a run is; saved as ``RUN_DIR/run.json``.
 
     Attributes:
-      recipe: recipe name (:func:`recipes.get_recipe`).
       steps: total number of training steps of the run.
-      global_batch, seq_len: batch shape of every step.
-      seed: the initial state and every batch derive from it.
-      learning_rate: AdamW's.
       checkpoint_every, keep: checkpoint after every ``checkpoint_every`` steps, keep the last ``keep``.
       cluster: cluster preset name, YAML path, or ``"local"``.
       cluster_size: devices of that cluster, in service or not (how many jax devices a resume asks for).
       unavailable: refs of the cluster's devices out of service.
       time_limit_s: planner time budget for (re-)plans.
       plan: the plan executed (None until the first plan is made).
+      metadata: JSON the caller keeps with the run to build its step, state and batches again on
+        resume (``orchestrator train`` keeps a :class:`recipes.RecipeRun` here); :func:`train`
+        saves it and never reads it.
     """
 
-    recipe: str
     steps: int
-    global_batch: int
-    seq_len: int
-    seed: int = 0
-    learning_rate: float = 3e-4
     checkpoint_every: int = 10
     keep: int = 3
     cluster: str = "local"
@@ -109,9 +106,10 @@ class RunConfig:
     unavailable: tuple[str, ...] = ()
     time_limit_s: float = 10.0
     plan: Plan | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "seq_len", "checkpoint_every", "keep"):
+        for name in ("steps", "checkpoint_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -119,6 +117,7 @@ class RunConfig:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["unavailable"] = sorted(self.unavailable)
         data["plan"] = None if self.plan is None else self.plan.to_json()
+        data["metadata"] = dict(self.metadata)
         return data
 
     @classmethod
@@ -224,47 +223,44 @@ def latest_checkpoint(run_dir: str | Path) -> int | None:
         checkpoints.close()
 
 
-def batch_for_step(config: RunConfig, step: int) -> dict:
-    """The batch of step ``step``: a pure function of ``(config.seed, step)`` and the batch shape."""
-    from recipes import get_recipe
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Model:
+    """What :func:`train` trains: the step, the initial state, the batches, their shape, the logical axes."""
 
-    vocab = get_recipe(config.recipe).config.vocab_size
-    return _batch(config.seed, step, config.global_batch, config.seq_len, vocab)
+    train_step: Callable
+    init_state: Callable[[], Any]
+    batches: Callable[[int], Any]
+    batch_spec: Any  # shapes and dtypes of a batch
+    global_batch: int
+    param_axes: Mapping | None
 
+    @classmethod
+    def of(cls, train_step: Callable, init_state, batches: Callable[[int], Any], param_axes: Mapping | None):
+        """The model of a :func:`train` call; its batch shape is step 0's.
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _batch(seed, step, batch_size: int, seq_len: int, vocab_size: int) -> dict:
-    # one dispatch per step: the key derivation runs eagerly op by op otherwise
-    from recipes import synthetic_batch
+        Raises:
+          ValueError: the batch's leaves disagree on the leading (batch) dim.
+        """
+        from integrations.flax._orchestrate import global_batch_of
 
-    data_key = jax.random.split(jax.random.key(seed))[1]
-    return synthetic_batch(jax.random.fold_in(data_key, step), batch_size, seq_len, vocab_size)
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches(0))
+        return cls(
+            train_step=train_step,
+            init_state=init_state if callable(init_state) else lambda: init_state,
+            batches=batches,
+            batch_spec=spec,
+            global_batch=global_batch_of(spec),
+            param_axes=param_axes,
+        )
 
+    def placeholder_state(self):
+        """Zeros shaped like the state, as host arrays: a target that a checkpoint overwrites (nothing to compile).
 
-def initial_state(config: RunConfig):
-    """The state before step 0 (on the default device): a pure function of ``config.seed``."""
-    init_key = jax.random.split(jax.random.key(config.seed))[0]
-    return _jitted_init(config.recipe, config.learning_rate)(init_key)
-
-
-@functools.cache
-def _jitted_init(recipe_name: str, learning_rate: float):
-    """The recipe's ``create_state`` under ``jax.jit`` (eager init costs seconds of dispatch), once per process."""
-    from recipes import get_recipe
-
-    recipe = get_recipe(recipe_name)
-    return jax.jit(lambda key: recipe.create_state(key, learning_rate=learning_rate))
-
-
-def _placeholder_state(config: RunConfig):
-    """Zeros shaped like the state, as host arrays: a target that a checkpoint overwrites (nothing to compile).
-
-    Shaped by the same jitted init as :func:`initial_state`, so its static fields (``apply_fn``, ``tx``)
-    are the same objects and steps compiled for one state are reused for the other.
-    """
-    init = _jitted_init(config.recipe, config.learning_rate)
-    abstract = jax.eval_shape(init, jax.random.key(config.seed))
-    return jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), abstract)
+        Shaped by ``init_state`` itself (``jax.eval_shape``), so a jitted init gives it the same static
+        fields (``apply_fn``, ``tx``) as the initial state, and steps compiled for one serve the other.
+        """
+        abstract = jax.eval_shape(self.init_state)
+        return jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), abstract)
 
 
 def plan_fits(plan, cluster, global_batch: int) -> bool:
@@ -275,46 +271,20 @@ def plan_fits(plan, cluster, global_batch: int) -> bool:
     )
 
 
-@functools.cache
-def _param_axes(recipe_name: str):
-    """The recipe's logical axes (tensor parallelism) for GPTs; None for the others. Cached: it traces the init."""
-    from recipes import get_recipe
+def _cost_model(model: _Model, cluster):
+    """The cost model of the run's step on ``cluster`` (captured and, on ``local``, profiled)."""
+    from integrations.flax._orchestrate import cost_model
 
-    recipe = get_recipe(recipe_name)
-    return recipe.param_axes() if recipe.family == "gpt" else None
-
-
-def _cost_model(config: RunConfig, cluster, *, graph=None, layers=None, measured=None):
-    """The cost model of the run's step on ``cluster`` (captured and, on ``local``, profiled unless given)."""
-    from integrations.flax._capture import capture
-    from orchestrator.coarsen import coarsen
-    from orchestrator.costs import CostModel
-    from recipes import get_recipe
-
-    recipe = get_recipe(config.recipe)
-    if graph is None:
-        state = recipe.abstract_state(learning_rate=config.learning_rate)
-        spec = recipe.batch_spec(config.global_batch, config.seq_len)
-        graph = capture(recipe.train_step, state, spec)
-        layers = coarsen(graph)
-        if cluster.name == "local":
-            from integrations.flax._profile import profile_layers
-
-            measured = profile_layers(recipe.train_step, state, spec, graph=graph, layers=layers)
-    return CostModel(
-        graph, layers, cluster, batch_size=config.global_batch, param_axes=_param_axes(config.recipe), measured=measured
-    )
+    state = jax.eval_shape(model.init_state)
+    return cost_model(model.train_step, state, model.batch_spec, cluster, param_axes=model.param_axes)
 
 
-def _replan(previous, model, config: RunConfig):
-    """A plan on ``model``'s cluster: re-planned from ``previous``, or a first plan if there is none."""
+def _replan(previous, cost_model, config: RunConfig, global_batch: int):
+    """A plan on ``cost_model``'s cluster: re-planned from ``previous``, or a first plan if there is none."""
     from orchestrator.planner import plan, replan
 
-    if previous is None:
-        return plan(model, global_batch=config.global_batch, time_limit_s=config.time_limit_s, mixed_stages=False)
-    return replan(
-        previous, model, global_batch=config.global_batch, time_limit_s=config.time_limit_s, mixed_stages=False
-    )
+    options = dict(global_batch=global_batch, time_limit_s=config.time_limit_s, mixed_stages=False)
+    return plan(cost_model, **options) if previous is None else replan(previous, cost_model, **options)
 
 
 def _restore(checkpoints: Checkpointer, placed, latest: int | None) -> tuple[object, int]:
@@ -333,19 +303,33 @@ def _restore(checkpoints: Checkpointer, placed, latest: int | None) -> tuple[obj
 
 
 def train(
-    run_dir: str | Path,
+    train_step: Callable,
+    init_state,
+    batches: Callable[[int], Any],
     *,
+    run_dir: str | Path,
+    param_axes: Mapping | None = None,
     callbacks: Iterable[Callback] = (),
     log: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Train the run in ``run_dir`` up to ``config.steps``, resuming from its latest checkpoint.
 
-    Create the run with :meth:`RunConfig.save` first (``plan=None`` plans on the first call).
-    See the module docstring for how plans, checkpoints and lost devices are handled; any other
-    error in a step propagates (the checkpoints on disk stay valid for a later resume).
+    Create the run with :meth:`RunConfig.save` first (``plan=None`` plans on the first call), and
+    call :func:`train` again with the same step, state and batches to resume it (a kill loses at most
+    the steps after the last checkpoint). See the module docstring for how plans, checkpoints and
+    lost devices are handled; any other error in a step propagates (the checkpoints on disk stay
+    valid for a later resume).
 
     Args:
+      train_step: ``train_step(state, batch) -> (state, metrics)``; metrics hold ``"loss"``.
+      init_state: the state before step 0 (a Flax ``TrainState``), or a function of no arguments
+        returning it; a function is only called when there is no checkpoint to restore (a jitted one
+        avoids seconds of eager dispatch).
+      batches: ``batches(step)``, the batch of step ``step`` at the global batch size; a pure
+        function of ``step``, since steps after a checkpoint run again on resume and recovery.
       run_dir: the run directory (run.json, ckpt/).
+      param_axes: logical axis names by parameter path (``integrations.flax.param_logical_axes``);
+        enables tensor parallelism.
       callbacks: run around every step, before the checkpointer; raising :class:`DevicesLost`
         from one (or from the step) triggers a recovery.
       log: called with one line per event (start or resume, re-plan, recovery).
@@ -359,20 +343,25 @@ def train(
       orchestrator.planner.PlanInfeasible, PlanNotFound: no plan for the devices left.
 
     Example:
-      >>> RunConfig(recipe="gpt-tiny", steps=20, global_batch=16, seq_len=16).save("/tmp/run")  # doctest: +SKIP
-      >>> result = train("/tmp/run")  # doctest: +SKIP
+      >>> run = recipes.RecipeRun(recipe="gpt-tiny", global_batch=16, seq_len=16)  # doctest: +SKIP
+      >>> RunConfig(steps=20, metadata=run.to_json()).save("/tmp/run")  # doctest: +SKIP
+      >>> result = train(run.train_step, run.init_state, run.batch, run_dir="/tmp/run")  # doctest: +SKIP
       >>> int(result.state.step)  # doctest: +SKIP
       20
     """
     started = time.perf_counter()
     say = log or (lambda line: None)
+    model = _Model.of(train_step, init_state, batches, param_axes)
+    global_batch = model.global_batch
     run_dir = Path(run_dir).absolute()
     config = RunConfig.load(run_dir)
     cluster = config.load_cluster()
     config = dataclasses.replace(config, cluster_size=len(cluster.all_devices()))
-    if config.plan is not None and not plan_fits(config.plan, cluster, config.global_batch):
+    if config.plan is not None and not plan_fits(config.plan, cluster, global_batch):
         t0 = time.perf_counter()
-        config = dataclasses.replace(config, plan=_replan(config.plan, _cost_model(config, cluster), config))
+        config = dataclasses.replace(
+            config, plan=_replan(config.plan, _cost_model(model, cluster), config, global_batch)
+        )
         say(f"re-planned for {_describe_cluster(cluster)} in {time.perf_counter() - t0:.2f} s")
     config.save(run_dir)
 
@@ -382,7 +371,7 @@ def train(
     try:
         while True:
             t0 = time.perf_counter()
-            run, next_step = _place(config, cluster, [*callbacks, checkpoints], checkpoints)
+            run, next_step = _place(model, config, cluster, [*callbacks, checkpoints], checkpoints)
             if config.plan is None:
                 config = dataclasses.replace(config, plan=run.plan)
                 config.save(run_dir)
@@ -399,10 +388,10 @@ def train(
             first_step = next_step if first_step is None else first_step
             try:
                 for step in range(next_step, config.steps):
-                    metrics = run.step(batch_for_step(config, step))
+                    metrics = run.step(model.batches(step))
             except DevicesLost as error:
                 cluster = dataclasses.replace(cluster, unavailable=cluster.unavailable | error.devices)
-                config, lost = _recover(run, error, config, cluster, checkpoints)
+                config, lost = _recover(run, error, config, cluster, checkpoints, global_batch)
                 config.save(run_dir)
                 continue
             run.close()  # the final checkpoint, then wait for the writes
@@ -420,24 +409,22 @@ def train(
     )
 
 
-def _place(config: RunConfig, cluster, callbacks: list[Callback], checkpoints: Checkpointer):
+def _place(model: _Model, config: RunConfig, cluster, callbacks: list[Callback], checkpoints: Checkpointer):
     """(the step compiled and the state placed per ``config.plan`` — planned if None —, the next step).
 
     The state is the latest checkpoint read into the plan's shardings, or the initial state.
     """
     from integrations.flax._orchestrate import orchestrate
-    from recipes import get_recipe
 
-    recipe = get_recipe(config.recipe)
     checkpoints.wait()
     latest = checkpoints.manager.latest_step()
     run = orchestrate(
         # with a checkpoint to restore, the placed values are overwritten: skip initialising them
-        _placeholder_state(config) if latest is not None else initial_state(config),
-        recipe.train_step,
+        model.placeholder_state() if latest is not None else model.init_state(),
+        model.train_step,
         cluster,
-        batch=recipe.batch_spec(config.global_batch, config.seq_len),
-        param_axes=_param_axes(config.recipe),
+        batch=model.batch_spec,
+        param_axes=model.param_axes,
         plan=config.plan,
         callbacks=callbacks,
         time_limit_s=config.time_limit_s,
@@ -449,11 +436,11 @@ def _place(config: RunConfig, cluster, callbacks: list[Callback], checkpoints: C
     return run, next_step
 
 
-def _recover(run, error: DevicesLost, config: RunConfig, cluster, checkpoints: Checkpointer):
+def _recover(run, error: DevicesLost, config: RunConfig, cluster, checkpoints: Checkpointer, global_batch: int):
     """(the config re-planned on ``cluster`` without the lost devices, the :class:`Recovery` so far)."""
     started = time.perf_counter()
-    model = run.cost_model.with_cluster(cluster)  # graph-derived tables are reused, not recomputed
-    plan = _replan(run.plan, model, config)
+    cost_model = run.cost_model.with_cluster(cluster)  # graph-derived tables are reused, not recomputed
+    plan = _replan(run.plan, cost_model, config, global_batch)
     replan_s = time.perf_counter() - started
     checkpoints.wait()
     latest = checkpoints.manager.latest_step()

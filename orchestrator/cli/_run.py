@@ -3,7 +3,11 @@
 ``train`` creates RUN_DIR (run.json + orbax checkpoints) and trains; ``resume RUN_DIR`` continues
 from the latest checkpoint, on the same plan or, with ``--cluster``/``--devices``/``--plan``, on
 another one (parameters and optimizer state are resharded on restore). See
-:mod:`integrations.flax._run` for what a run directory holds.
+:func:`integrations.flax.train` for what a run directory holds.
+
+The recipe is resolved here, the top layer: run.json's metadata holds the
+:class:`recipes.RecipeRun` (recipe, batch shape, seed, learning rate), and every call of
+``integrations.flax.train`` gets the step, the initial state and the batches built from it.
 """
 
 from __future__ import annotations
@@ -65,12 +69,18 @@ def _cluster_arg(cluster: str) -> str:
     return str(path.absolute()) if path.suffix and path.exists() else cluster
 
 
-def _run(run_dir: Path) -> None:
-    """Train the run in ``run_dir``, a spinner on stderr, a few lines on stdout."""
+def _run(run_dir: Path, config) -> None:
+    """Train the run in ``run_dir`` (saved as ``config``), a spinner on stderr, a few lines on stdout."""
     from integrations.callbacks import Callback
-    from integrations.flax._run import train
+    from integrations.flax import train
     from orchestrator.cluster import ClusterError
     from orchestrator.planner import PlanInfeasible, PlanNotFound
+    from recipes import RecipeRun
+
+    try:
+        recipe = RecipeRun.from_json(config.metadata)
+    except (KeyError, TypeError, ValueError) as error:
+        fail(f"{run_dir / 'run.json'} holds no recipe run: {str(error).splitlines()[0]}")
 
     class Progress(Callback):
         def on_step_begin(self, step: int) -> None:
@@ -79,7 +89,10 @@ def _run(run_dir: Path) -> None:
     out = Console(soft_wrap=True)
     with Console(stderr=True).status("capturing and placing the step") as status:
         try:
-            result = train(run_dir, callbacks=[Progress()], log=out.print)
+            model = (recipe.train_step, recipe.init_state, recipe.batch)
+            result = train(
+                *model, run_dir=run_dir, param_axes=recipe.param_axes(), callbacks=[Progress()], log=out.print
+            )
         except (ClusterError, PlanInfeasible, PlanNotFound, ValueError) as error:
             fail(str(error).splitlines()[0])
     ran = result.steps - result.first_step
@@ -111,28 +124,26 @@ def train_command(
     if (run_dir / "run.json").exists():
         fail(f"{run_dir} already holds a run; continue it with: orchestrator resume {run_dir}")
     _ask_devices(max(8, devices or 0), devices or 1)  # before anything imports jax
-    from integrations.flax._run import RunConfig
-    from recipes import RECIPES
+    from integrations.flax import RunConfig
+    from recipes import RECIPES, RecipeRun
 
     if recipe not in RECIPES:
         fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
 
     spec = RECIPES[recipe]
+    run = RecipeRun(recipe=recipe, global_batch=batch or spec.batch_size, seq_len=seq or spec.seq_len, seed=seed)
     config = RunConfig(
-        recipe=recipe,
         steps=steps,
-        global_batch=batch or spec.batch_size,
-        seq_len=seq or spec.seq_len,
-        seed=seed,
         checkpoint_every=checkpoint_every,
         keep=keep,
         cluster=_cluster_arg(cluster),
         unavailable=_unavailable(cluster, devices),
         time_limit_s=time_limit_s,
         plan=_load_plan(plan),
+        metadata=run.to_json(),
     )
     config.save(run_dir)
-    _run(run_dir)
+    _run(run_dir, config)
 
 
 def resume_command(
@@ -159,7 +170,7 @@ def resume_command(
     _ask_devices(devices or size or 8, devices or 1)
     import dataclasses
 
-    from integrations.flax._run import RunConfig, latest_checkpoint
+    from integrations.flax import RunConfig, latest_checkpoint
 
     try:
         config = RunConfig.load(run_dir)
@@ -184,4 +195,4 @@ def resume_command(
     except ValueError as error:
         fail(str(error))
     config.save(run_dir)
-    _run(run_dir)
+    _run(run_dir, config)

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recipes import RECIPES, get_recipe, synthetic_batch
+from recipes import RECIPES, RecipeRun, get_recipe, synthetic_batch
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -60,3 +60,32 @@ def test_gpt_refuses_too_long_sequences():
     state = recipe.create_state(jax.random.key(0))
     with pytest.raises(ValueError, match="max_seq_len"):
         state.apply_fn({"params": state.params}, jnp.zeros((1, 65), jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "mamba-tiny"])
+def test_param_axes_are_the_logical_axes_integrations_reads(name):
+    from integrations.flax import param_logical_axes
+
+    recipe = get_recipe(name)
+    boxed = jax.eval_shape(recipe.model().init, jax.random.key(0), jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    assert recipe.param_axes() == param_logical_axes(boxed["params"])
+
+
+def test_a_recipe_run_is_a_pure_function_of_its_json():
+    run = RecipeRun(recipe="gpt-tiny", global_batch=4, seq_len=16, seed=3)
+    again = RecipeRun.from_json(run.to_json())
+    assert again == run
+    np.testing.assert_array_equal(run.batch(5)["inputs"], again.batch(5)["inputs"])
+    assert run.batch(5)["inputs"].shape == (4, 16)
+    jax.tree.map(np.testing.assert_array_equal, run.init_state().params, again.init_state().params)
+    assert run.param_axes()["blocks_0/mlp/c_fc/kernel"] == ("embed", "mlp")
+    assert RecipeRun(recipe="mamba-tiny", global_batch=4, seq_len=16).param_axes() is None
+
+
+def test_a_recipe_run_refuses_bad_fields():
+    with pytest.raises(KeyError, match="gpt2-small"):
+        RecipeRun(recipe="gpt-5", global_batch=4, seq_len=16)
+    with pytest.raises(ValueError, match="global_batch"):
+        RecipeRun(recipe="gpt-tiny", global_batch=0, seq_len=16)
+    with pytest.raises(TypeError):
+        RecipeRun.from_json({"recipe": "gpt-tiny", "global_batch": 4})

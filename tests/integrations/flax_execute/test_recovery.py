@@ -1,37 +1,35 @@
-"""Recovery (issue 9): a SIGKILLed run resumes, lost devices are re-planned around, a run moves 8 → 4 devices.
+"""Recovery: a SIGKILLed run resumes, lost devices are re-planned around, a run moves 8 → 4 devices.
 
 Every comparison is against a reference trained here without checkpoints, the run loop or the CLI:
-``shard`` + ``compile_step`` over the same batches (``batch_for_step``), switching plans by
-copying the state to the host and placing it under the next plan.
+``shard`` + ``compile_step`` over the same batches (the run's ``RecipeRun.batch``), switching plans
+by copying the state to the host and placing it under the next plan.
 """
 
-import os
+import dataclasses
 import shutil
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from integrations.flax._run import LoseDevices, RunConfig, batch_for_step, train
-from orchestrator.bench._recovery import clean_env, finished_checkpoints, max_diff, read_checkpoint, reference_state
+from integrations.flax import RunConfig
+from orchestrator.bench._recovery import (
+    LOST,
+    RUN,
+    max_diff,
+    read_checkpoint,
+    reference_state,
+    train_losing_devices,
+    train_until_killed,
+)
 from orchestrator.bench.executor import check_plan
 from orchestrator.cli import app
 
-ROOT = Path(__file__).resolve().parents[3]
-BATCH, SEQ = 16, 16
+BATCH = RUN.global_batch
 KILL_STEPS, KILL_EVERY, KILL_AFTER = 16, 2, 5  # kill once checkpoint ≥ 5 of steps 0..15 is on disk
-LOST = tuple(f"localhost/{i}" for i in range(4, 8))
-
-
-def _config(steps: int, every: int, plan) -> RunConfig:
-    shape = dict(recipe="gpt-tiny", global_batch=BATCH, seq_len=SEQ, time_limit_s=2)
-    return RunConfig(**shape, steps=steps, checkpoint_every=every, plan=plan)
 
 
 @pytest.fixture(scope="module")
@@ -40,29 +38,15 @@ def killed_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("killed")
     run_dir, plan_file = root / "run", root / "plan.json"
     check_plan("DP4xTP2", global_batch=BATCH).save(plan_file)
-    args = ["--run-dir", str(run_dir), "--steps", str(KILL_STEPS), "--batch", str(BATCH), "--seq", str(SEQ)]
-    args += ["--checkpoint-every", str(KILL_EVERY), "--plan", str(plan_file)]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "train", *args],
-        cwd=ROOT,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    returncode, on_disk = train_until_killed(
+        run_dir, plan_file, steps=KILL_STEPS, every=KILL_EVERY, kill_after=KILL_AFTER, timeout_s=180
     )
-    deadline = time.monotonic() + 180
-    while not any(step >= KILL_AFTER for step in finished_checkpoints(run_dir / "ckpt")):
-        assert process.poll() is None, f"training ended before it was killed: {process.communicate()}"
-        assert time.monotonic() < deadline, "no checkpoint within 180 s"
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    process.communicate()
-    on_disk = finished_checkpoints(run_dir / "ckpt")
     partial = sorted(p.name for p in (run_dir / "ckpt").iterdir() if not p.name.isdigit())
     started = time.perf_counter()
     resumed = CliRunner().invoke(app, ["resume", str(run_dir)])
     return {
         "run_dir": run_dir,
-        "returncode": process.returncode,
+        "returncode": returncode,
         "on_disk": on_disk,
         "partial": partial,
         "resumed": resumed,
@@ -71,12 +55,11 @@ def killed_run(tmp_path_factory):
 
 
 def test_batches_are_a_pure_function_of_seed_and_step():
-    config = _config(4, 2, None)
-    a, b = batch_for_step(config, 3), batch_for_step(config, 3)
+    a, b = RUN.batch(3), RUN.batch(3)
     np.testing.assert_array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
-    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(batch_for_step(config, 2)["inputs"]))
-    other = RunConfig.from_json({**config.to_json(), "seed": 1})
-    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(batch_for_step(other, 3)["inputs"]))
+    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(RUN.batch(2)["inputs"]))
+    other = dataclasses.replace(RUN, seed=1)
+    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(other.batch(3)["inputs"]))
 
 
 def test_sigkilled_run_resumes_to_the_uninterrupted_parameters(killed_run):
@@ -122,9 +105,8 @@ def test_resume_moves_a_run_from_8_to_4_devices(killed_run, tmp_path):
 
 def test_losing_4_of_8_devices_replans_restores_and_continues(tmp_path):
     plan = check_plan("DP4xTP2", global_batch=BATCH)  # compiled already for the tests above
-    _config(12, 3, plan).save(tmp_path)
     # checkpoints after steps 2, 5, 8, 11; the devices go during step 7, so checkpoint 5 is restored
-    result = train(tmp_path, callbacks=[LoseDevices(LOST, at_step=7)])
+    result = train_losing_devices(tmp_path, plan, steps=12, every=3, at_step=7)
     [recovery] = result.recoveries
     assert (recovery.failed_step, recovery.restored_step, recovery.lost) == (7, 5, LOST)
     used = {ref for stage in result.plan.stages for ref in stage.devices}
@@ -134,7 +116,7 @@ def test_losing_4_of_8_devices_replans_restores_and_continues(tmp_path):
     assert int(result.state.step) == 12
     assert RunConfig.load(tmp_path).unavailable == LOST
     # steps 6 and 7 ran on 8 devices, were lost, and ran again on 4: the reference switches at step 6
-    reference = reference_state(_config(12, 3, plan), {0: plan, 6: result.plan})
+    reference = reference_state(RunConfig.load(tmp_path), {0: plan, 6: result.plan})
     diff = max_diff(jax.device_get(result.state.params), reference.params)
     print(f"replan {recovery.replan_s:.2f} s, restore {recovery.restore_s:.2f} s onto {result.plan.stages}")
     print(f"lost 4 of 8 devices: max |Δparam| {diff:.2e}")
