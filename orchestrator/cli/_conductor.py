@@ -26,11 +26,11 @@ def conductor_command(
     ] = False,
 ) -> None:
     """Attention and selective-scan rewrites: compiled memory, numerics, CPU time, TPU/CUDA lowering; exit 1 on a miss."""
-    from orchestrator.bench._conductor import all_cases
+    from orchestrator.bench import conductor_claims
 
     console = Console(stderr=True)
     with console.status("conductor bench") as status:
-        cases = all_cases(quick=quick, progress=lambda name: status.update(name))
+        cases = conductor_claims(quick=quick, progress=lambda name: status.update(name))
     if as_json:
         json.dump({"cases": [c.to_json() for c in cases]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
