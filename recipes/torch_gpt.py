@@ -37,7 +37,7 @@ from torch import nn
 
 from recipes.gpt import GPT_PRESETS, GPTConfig
 
-__all__ = ["GPT", "GPT_PRESETS", "GPTConfig", "loss_fn", "param_axes", "param_path", "synthetic_batch"]
+__all__ = ["GPT", "GPT_PRESETS", "GPTConfig", "loss_fn", "param_axes", "synthetic_batch"]
 
 LAYER_NORM_EPS = 1e-6  # flax.linen.LayerNorm's default
 
@@ -182,22 +182,9 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def param_path(name: str) -> str:
-    """The Flax path of a torch parameter name: ``blocks.3.attn.c_attn.kernel`` → ``blocks_3/attn/c_attn/kernel``.
-
-    A numeric component (a ``ModuleList`` index) joins the one before it with ``_``.
-    """
-    parts: list[str] = []
-    for part in name.split("."):
-        if part.isdigit() and parts:
-            parts[-1] = f"{parts[-1]}_{part}"
-        elif part:
-            parts.append(part)
-    return "/".join(parts)
-
-
 def param_axes(config: GPTConfig) -> dict[str, tuple[str | None, ...]]:
-    """Logical axis names of every parameter by Flax path, equal to ``Recipe.param_axes()`` of the Flax recipe."""
+    """Logical axis names of every parameter by Flax path (``integrations.torch_xla.scope_path`` of its torch
+    name), equal to ``Recipe.param_axes()`` of the Flax recipe."""
     axes: dict[str, tuple[str | None, ...]] = {
         "wte/embedding": ("vocab", "embed"),
         "wpe/embedding": (None, "embed"),

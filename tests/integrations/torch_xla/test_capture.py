@@ -12,7 +12,7 @@ from integrations.torch_xla import CaptureWarning, capture, scope_path
 from orchestrator.coarsen import coarsen
 from orchestrator.graph import OpGraph
 from recipes import get_recipe
-from recipes.torch_gpt import GPT, loss_fn, param_axes, param_path
+from recipes.torch_gpt import GPT, loss_fn, param_axes
 
 BATCH, SEQ = 8, 64
 
@@ -94,7 +94,7 @@ def test_json_round_trip(graphs):
 
 def test_scope_path():
     assert scope_path("blocks.3.attn.c_attn") == "blocks_3/attn/c_attn"
-    assert param_path("blocks.10.mlp.c_fc.kernel") == "blocks_10/mlp/c_fc/kernel"
+    assert scope_path("blocks.10.mlp.c_fc.kernel") == "blocks_10/mlp/c_fc/kernel"
     assert scope_path("") == ""
 
 
