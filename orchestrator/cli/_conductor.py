@@ -35,7 +35,7 @@ def conductor_command(
         json.dump({"cases": [c.to_json() for c in cases]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        table = Table(title="conductor: rewritten vs written (CPU; times are medians, the 2 cores are shared)")
+        table = Table(title="conductor: rewritten vs written (CPU; times are medians of repeated runs)")
         for column in ("case", "ok", "figures"):
             table.add_column(column)
         for c in cases:
