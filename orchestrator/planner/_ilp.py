@@ -91,8 +91,7 @@ GB = 1e-9
 def linear(terms: Iterable[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
     """Σ coefficient · variable over (variable, coefficient) pairs, as one PuLP expression built in
     one pass. ``pulp.lpSum(c * x for ...)`` makes a temporary expression of every product and
-    merges it in: 147,000 of them for one gpt-1.3b × mixed-4type-512 model, which took 1.8 s to
-    build (session 19). As with lpSum, a variable met twice gets the sum of its coefficients and
+    merges it in, one per product, which dominates the build time of the large models. As with lpSum, a variable met twice gets the sum of its coefficients and
     a product with 0 adds nothing."""
     coefficients: dict = {}
     for variable, coefficient in terms:
@@ -208,9 +207,9 @@ def link_bound_s(
         GPipe: step ≥ E_0 ≥ c_min + 2(S+M−2)·π                               (both flow shops' fill and pace)
 
     The ILP's LP relaxation loses them: a stage spread over fractions of groups of several
-    types prices its neighbour links at 0 (``c[j,t,t′] ≥ ut + ut′ − 1``). On gpt2-small ×
-    ``mixed-4type-512`` (100 GbE between racks) π is 16 ms at M = 1, so no plan of 5 stages or
-    more beats the 70.5 ms incumbent; the LP bounds of those pieces were 18.5 ms."""
+    types prices its neighbour links at 0 (``c[j,t,t′] ≥ ut + ut′ − 1``). Where racks are joined by
+    slow links (``mixed-4type-512``: 100 GbE), π of a small model is a large part of its step, and
+    this bound closes the deep pipelines whose LP bounds are a fraction of the incumbent."""
     if stages < 2:
         return 0.0
     valid = [g for g in groups if table.microbatch(g, microbatches) is not None]

@@ -2,11 +2,10 @@
 
 The local search's moves change one or two stages at a time, so a plan whose stages would all
 have to move at once to reach a better one stays where it is. GPT-175B × ``mixed-4type-512``
-is the case met (session 17): its first incumbent runs 16 stages of 32 devices in type order
-(V100, A100, L4, H100, 548.5 s a step, slowest stage 4.06 s per microbatch). The ILP found
-519.0 s after 73 s by moving A100 stages to the end of the pipeline, where few microbatches are
-in flight, so they hold five layers without recomputation instead of four with it; every single
-change on the way is worse.
+is such a case: its first incumbent runs 16 stages of 32 devices in type order (V100, A100, L4,
+H100), and the better plans move the A100 stages to the end of the pipeline, where few
+microbatches are in flight, so they hold five layers without recomputation instead of four with
+it; every single change on the way is worse (``tests/orchestrator/planner/test_polish.py``).
 
 ``rebalance`` takes the stages' device sets in pipeline order (each a group's devices, its
 tensor-parallel degree kept, its recomputation free) and the microbatch count M, and returns the

@@ -1,19 +1,17 @@
 """Piece solves on a few threads at once, each on a HiGHS session of its own.
 
-highspy releases the GIL inside ``Highs.run``, so two HiGHS instances solve side by side:
-two pieces of gpt2-small × mixed-a100-v100 (3.2 and 3.6 s alone) took 6.8 s one after the
-other and 3.7 s on two threads of the 2-core CI machine (session 12). A session is busy
-while it solves, so two pieces of one microbatch count need two sessions of its model: a
-piece takes an idle one of its M or loads another (0.07–0.11 s for the gpt2-small and
-gpt-1.3b models of 4,000–6,000 columns). Jobs are prepared on the caller's thread (a start
+highspy releases the GIL inside ``Highs.run``, so two HiGHS instances solve side by side, each
+on a core of its own. A session is busy while it solves, so two pieces of one microbatch count
+need two sessions of its model: a piece takes an idle one of its M or loads another (a tenth of
+a second for a model of a few thousand columns). Jobs are prepared on the caller's thread (a start
 writes the model's variables), solved on a worker (which touches only its session), and
 their results written back and folded in (``record``) on the caller's thread again, in the
 order they finish.
 
 At the search's deadline the solves still running are left behind: their pieces keep the
 bounds they had, and the threads end when HiGHS next checks its interrupt. HiGHS does not
-check it before its root LP iterates: GPT-175B's 16-position tail pieces ran 1.0–1.4 s on a
-0.2 s limit and took the planner to 10.9–11.3 s on a 10 s budget (sessions 12–13).
+check it before its root LP iterates, so a solve on a large model may run well past its limit;
+the search starts no solve it cannot finish before its deadline (``overrun_s``).
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class PieceWorkers:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="orchestrator-solve")
         self.running: dict[Future, tuple[object, HighsSession]] = {}
         # the most a solve has run past its time limit (s): HiGHS honours its interrupt only once
-        # the root LP iterates, so GPT-175B's 16-position tail pieces took 1.0–1.4 s on a 0.2 s
-        # limit (session 12); the search starts no solve it cannot finish before its deadline
+        # the root LP iterates; the search starts no solve it cannot finish before its deadline
         self.overrun_s = 0.0
 
     def __enter__(self) -> PieceWorkers:
