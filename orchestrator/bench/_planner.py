@@ -6,15 +6,12 @@ Instances:
   on ``h100x16``, and every GPT and Mamba shape on every mixed preset (``mixed-a100-v100``,
   ``mixed-4type-64``, ``mixed-4type-512``) except gpt-175b below 512 devices, where it does
   not fit: gpt2-small and mamba-130m at batch 64 × 1024, gpt-1.3b at 256 × 2048, gpt-13b at
-  512 × 2048, gpt-175b at 1536 × 2048. (Until session 12 only one or two mixed presets per
-  shape, which left the speedup over Alpa-style on the mixed presets to four instances.)
+  512 × 2048, gpt-175b at 1536 × 2048.
 
 Each instance is planned with the suite's time limit (default 30 s, the planner's own
 default) except GPT-175B, held to the 10 s its issue sets. GPT-13B and GPT-175B plan (and
-their baselines run) with ZeRO-1, as models of that size are trained: measured in session 8,
-it took gpt-175b × mixed-4type-512 from 951 to 674 s a step and gpt-13b × mixed-4type-64 from
-93.4 to 86.4 s (memory binds there: the optimizer state, split, lets the fast types hold more
-layers; session 9's heuristic takes them to 548 and 81.8 s); the smaller instances keep the
+their baselines run) with ZeRO-1, as models of that size are trained: memory binds there, and
+the optimizer state, split, lets the fast types hold more layers; the smaller instances keep the
 planner's default (off).
 
 Per instance: the ILP's step time, bound, gap and solve time; each baseline's step time;
@@ -28,10 +25,9 @@ import math
 import time
 from collections.abc import Callable, Iterator
 
-from orchestrator.baselines import BASELINES
 from orchestrator.bench._synthetic import random_instance
 from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
-from orchestrator.planner._exhaustive import exhaustive_plan
+from orchestrator.planner.baselines import BASELINES, exhaustive_plan
 
 RANDOM = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages": 3}
 

@@ -6,7 +6,6 @@ import math
 
 from orchestrator.planner._evaluate import Evaluation
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._ilp import StageModel
 from orchestrator.solver import solve
 
 NEAR = 0.95  # a resource used to this fraction of its capacity counts as binding
@@ -81,17 +80,7 @@ def infeasibility_message(model, space, candidates, max_stages: int, schedule: s
         return f"{head}: no microbatch count in {candidates} divides the global batch (choose a batch divisible by one)"
     least = None
     for M in valid:
-        sub = StageModel(
-            runs=space.runs,
-            max_stages=max_stages,
-            microbatches=M,
-            groups=space.groups,
-            table=space.table,
-            infos=space.infos,
-            schedule=schedule,
-            links=space.links,
-            repair=True,
-        ).build()
+        sub = space.stage_model(M, max_stages, schedule, repair=True).build()
         result = solve(sub.lp, time_limit_s=10.0, gap=1e-4)
         if result.has_solution and (least is None or result.objective < least[0]):
             least = (result.objective, M)

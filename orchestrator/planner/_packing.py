@@ -36,7 +36,7 @@ of w_p positions (its slowest stage computes at least c_p / w_p):
 
     Z ≥ Σ_{p′>p} c_p′ + M·c_p / w_p                             the fill ahead of each stage
 
-The closed form gives more rows of the same kind (session 17). Its 1F1B rows B_s ≥ U^f_s + L_s −
+The closed form gives more rows of the same kind. Its 1F1B rows B_s ≥ U^f_s + L_s −
 b_s and E_s ≥ B_s + M·b_s + (M − K_s)·f_s (K_s ≤ M in flight) put the whole round trip before
 the drain: step ≥ Σ_{s′≠s} c_s′ + M·c_s − (K_s − 1)·f_s (GPipe: without the last term). A
 stage's sync starts after the backward of its last layer, and its first layer's sync (the last
@@ -66,15 +66,10 @@ plan's first stage then has fewer in flight, so a q at least q_p, and a loop ove
 The other rows count the transfers on their paths the same way: the fill ahead of a stage
 2π·Σ_{p′>p} u_p′ (there and back), the whole round trip 2π·Σ_{p′≥1} u_p′ (every stage but the
 last sends), the tails π·Σ_{p′>p} u_p′ (the forwards only) and, downstream, 2π per boundary.
-Measured with them: gpt2-small × ``mixed-4type-64`` at M = 1 94.4 → 99.3 ms, GPT-175B at M = 128
-474.8 → 476.9 s. Each averages over a bucket's stages the row that
-holds for every one of them, which is valid as each stage's own terms are non-negative. On
-gpt2-small × ``mixed-4type-64`` at M = 1 the bound went from 85.9 to 89.8 ms (the sync of the
-plan's one stage overlaps all but 16 ms of its backward), on GPT-175B × ``mixed-4type-512`` at
-M = 64 and 128 from 470.9 and 468.9 s to 472.1 and 470.7 s, and on the random chains of the test
-the median ratio to the optimum of its M (1F1B) from 0.991 to 0.996. The in-flight cycle row
-then took GPT-175B at M = 64 and 128 to 477.3 and 474.8 s, and gpt2-small × ``mixed-4type-64`` at
-M = 1, 2, 4, 8 from 89.8, 91.7, 88.7, 84.8 ms to 94.4, 99.7, 94.9, 87.1 ms.
+Each row averages over a bucket's stages the row that holds for every one of them, which is
+valid as each stage's own terms are non-negative. The sync rows matter where a stage's sync
+overlaps most of its backward (a one-stage plan of a small model); the in-flight cycle row,
+wherever 1F1B's round trips bind (deep pipelines, and few microbatches).
 
 Z(T), the least Z of the LP, bounds every plan whose stages each compute within T. A plan
 whose slowest stage computes more than T takes more than M·T, so min(M·T, Z(T)) is a bound
@@ -82,18 +77,12 @@ for every T: Z falls and M·T rises with T, and a bisection finds their crossing
 order, link or sync rows, so it relaxes every plan with at most S stages: its bound holds for
 each of the ILP's pieces with S stages or fewer (more positions only loosen it).
 
-The last three families (session 13) stop the LP from spreading the pipeline over slivers of
-stages, each holding a sliver of a layer, whose fill is a sliver too: on gpt2-small ×
-``mixed-4type-64`` at M = 8 the bound went from 69.8 to 84.8 ms (best plan known: 119.4 ms), on
-gpt-1.3b × ``mixed-a100-v100`` at M = 8, 16, 32 from 14.04, 13.94, 13.97 to 14.89, 14.22, 14.50 s
-(plan: 15.20 s); on the random chains of the test the least ratio to the optimum went from 0.68 to
-0.75 (median 0.990 → 0.991).
+The last three families stop the LP from spreading the pipeline over slivers of stages, each
+holding a sliver of a layer, whose fill is a sliver too.
 
-Measured on GPT-175B × ``mixed-4type-512`` with ZeRO-1, global batch 1536 (session 9): 435 s
-(M = 64), 448 s (128), 598 s (32), 610 s (256) against the 150 s capacity bound, 0.2–1.5 s each;
-M ≤ 16 proven empty (nothing fits) in 0.2 s each. On the random instances of
-``tests/orchestrator/planner/test_packing.py`` it reaches a median 84% of the exhaustive optimum
-of its M, where the capacity cut reaches 75%.
+On the largest presets the bound is several times the capacity bound, and an M where nothing
+fits is proven empty in a fraction of a second; ``tests/orchestrator/planner/test_packing.py``
+checks that it never exceeds the exhaustive optimum of its M.
 """
 
 from __future__ import annotations
@@ -104,9 +93,11 @@ import time
 
 import numpy as np
 
-from orchestrator.planner._groups import GroupConfig, TypeInfo
-from orchestrator.planner._ilp import Run, cheapest_transfer_s, in_flight
-from orchestrator.planner._table import CostTable, per_run
+from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._ilp import cheapest_transfer_s, in_flight
+from orchestrator.planner._space import SearchSpace
+from orchestrator.planner._table import per_run
+from orchestrator.solver import highs_lp
 
 # the search stops when its bound is this close (relative) to the most the bound could be: a
 # tenth of the 1% gap the planner aims for
@@ -121,8 +112,6 @@ class _BottleneckLP:
     the whole-layer caps) so each solve starts from the last basis."""
 
     def __init__(self, bound: PackingBound, stages: int):
-        from orchestrator.solver._highs import highs_lp
-
         buckets = bound.buckets(stages)
         R, G, P = len(bound.runs), len(bound.groups), len(buckets)
         x = np.arange(R * G * P).reshape(R, G, P)  # column of x[r, g, p]
@@ -254,18 +243,15 @@ class _BottleneckLP:
             self.highs.changeCoeff(row, column, -float(within))
         decided = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
         if self.last_s is not None and abs(bottleneck_s - self.last_s) > WARM_WITHIN * self.last_s:
-            # far from the last T a warm start tends to end undecided, slowly (GPT-175B at M = 64, T
-            # from 7.98 to 7.18 s: undecided after 1.02 s, infeasible in 0.26 s from scratch)
+            # far from the last T a warm start tends to end undecided, slowly, where a fresh start
+            # decides at once
             self.highs.clearSolver()
         self.last_s = bottleneck_s
         self.highs.run()
         status = self.highs.getModelStatus()
         # a warm start can end undecided (kUnknown after a large change of T), and so can a fresh
-        # start with or without presolve: gpt-13b × mixed-4type-64 at M = 2 was undecided fresh and
-        # infeasible in 0.3 s without presolve (its bound had been 55.6 s, not the cutoff 79.2 s);
-        # gpt-1.3b × mixed-4type-64 at M = 2, T = 2.786 s was undecided warm and without presolve,
-        # infeasible fresh with it, so its bound fell from 6.67 to 5.57 s. Try each fresh start
-        # in turn, then the interior-point solver.
+        # start with or without presolve, on different probes of the same model; an undecided
+        # probe weakens the bound. Try each fresh start in turn, then the interior-point solver.
         for option, value in (("presolve", "choose"), ("presolve", "off"), ("solver", "ipm")):
             if status in decided:
                 break
@@ -284,19 +270,11 @@ class PackingBound:
     """The bound above for one microbatch count, any stage count up to ``max_stages``."""
 
     def __init__(
-        self,
-        runs: list[Run],
-        groups: list[GroupConfig],
-        table: CostTable,
-        infos: dict[str, TypeInfo],
-        *,
-        microbatches: int,
-        max_stages: int,
-        schedule: str,
-        links=None,
+        self, space: SearchSpace, groups: list[GroupConfig], *, microbatches: int, max_stages: int, schedule: str
     ):
-        """``links``: the link a stage on type t sends to type t2 on (``SearchSpace.links``); without
-        them the rows price no transfer."""
+        """Over ``groups`` of ``space`` (its runs, cost table, and the links whose cheapest transfer
+        the rows price)."""
+        runs, table, infos, links = space.runs, space.table, space.infos, space.links
         self.runs, self.groups, self.infos, self.M, self.J = runs, groups, infos, microbatches, max_stages
         self.schedule = schedule
         self.transfer_s = cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0

@@ -4,11 +4,9 @@ The ILP (``_ilp``) and the packing bound (``_packing``) price a stage by summing
 costs over fractions of groups, and their LP relaxations let one stage take a fraction of a big,
 fast group. Here every column is a whole stage: a group g and the layers it holds, priced
 exactly — its time, memory (whole layers, the in-flight activations of its position) and
-devices. The LP then only mixes whole stages, which is far tighter: on gpt2-small ×
-``mixed-4type-64`` at M = 8, where the packing bound is 87.1 ms against the optimum 102.4 ms
-(one stage, M = 1), it proves 1, 2 and 7 to 14 stages above the optimum in 0.01–0.06 s each, pieces
-the ILP took 4–12 s each to close, and the MIP (:meth:`StageColumns.integer_bound_s`) the other four in
-0.2–0.8 s each (session 21).
+devices. The LP then only mixes whole stages, which is far tighter than the packing bound: it
+closes in hundredths of a second most of the pieces the ILP takes seconds each to close, and the
+MIP (:meth:`StageColumns.integer_bound_s`) most of the others.
 
 A stage's layers are a contiguous slice of the chain of runs (``_ilp.Run``: identical layers in
 a row), so it is known by what it takes of each run — a *shape*: k layers inside one run, or
@@ -56,10 +54,8 @@ sub-MIP heuristics (``MIP_OPTIONS``). Given a pricing function, it prices each p
 excludes it, until none is left below the cutoff: its rows only bound the closed form, so a plan
 it finds below the cutoff may be priced above it. A plan excluded stands for the plans of the
 columns it dominates, so that MIP drops only the columns dominated in price, not merely in its
-rows (:meth:`StageColumns._price_dominance`). Under the cutoff of a 516.95 s incumbent, the MIPs of
-GPT-175B × ``mixed-4type-512``'s pieces the LPs leave open took 1.4–1.6 s each at M = 64 and 12 to 16
-stages (0.06 s at 9), 0.4 and 2.3 s at M = 128 and 15, 16 stages; now 0.13–0.43 s at M = 64 and 0.26,
-0.87 s at M = 128, one at a time (session 22).
+rows (:meth:`StageColumns._price_dominance`). Reduced-cost fixing and the options below make each
+MIP of the largest presets' open pieces a fraction of a second.
 """
 
 from __future__ import annotations
@@ -71,20 +67,20 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from orchestrator.planner._groups import GroupConfig, TypeInfo
+from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import MS, Run, cheapest_transfer_s, in_flight
+from orchestrator.planner._space import SearchSpace
 from orchestrator.planner._table import CostTable, per_run
+from orchestrator.solver import highs_lp
 
 # the bisection on the bottleneck stops when its bracket is this close (relative), or after PROBES solves
 TOLERANCE = 1e-3
 PROBES = 12
-# HiGHS options of the MIPs. No presolve: measured one at a time (session 21), gpt-13b ×
-# mixed-4type-64's 8 open pieces at M = 128 and 256 took 22.5 s with it and 9.0 s without, gpt-1.3b ×
-# mixed-4type-64's M = 16 at 4 and 5 stages 7.2 and 8.5 s against 1.8 and 3.9 s; GPT-175B's 10 open
-# pieces went the other way, 6.9 s against 11.0 s. No RENS, RINS, root reduced-cost, ZI-round or
-# shifting heuristics: after reduced-cost fixing, GPT-175B's pieces of 12 to 16 stages at M = 64
-# took 0.22–0.35 s to prove none below the cutoff without them, 0.34–0.91 s with (session 22; the
-# sub-MIPs of RENS and the root reduced-cost heuristic took most of it).
+# HiGHS options of the MIPs. No presolve: on most presets' open pieces the MIPs close two to four
+# times sooner without it (the largest, GPT-175B's, the other way, by less). No RENS, RINS, root
+# reduced-cost, ZI-round or shifting heuristics: after reduced-cost fixing the MIPs only prove that
+# no plan is below the cutoff, and the sub-MIPs of RENS and the root reduced-cost heuristic would
+# take most of their time.
 MIP_OPTIONS = {
     "presolve": "off",
     "mip_heuristic_run_rens": False,
@@ -124,17 +120,10 @@ def stage_shapes(runs: Sequence[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarra
 class StageColumns:
     """The LP above for one microbatch count, any stage count: shapes × groups priced once."""
 
-    def __init__(
-        self,
-        runs: list[Run],
-        groups: list[GroupConfig],
-        table: CostTable,
-        infos: dict[str, TypeInfo],
-        *,
-        microbatches: int,
-        schedule: str,
-        links=None,
-    ):
+    def __init__(self, space: SearchSpace, groups: list[GroupConfig], *, microbatches: int, schedule: str):
+        """Over ``groups`` of ``space`` (its runs, cost table, and the links whose cheapest transfer
+        the rows price)."""
+        runs, table, infos, links = space.runs, space.table, space.infos, space.links
         self.runs, self.groups, self.infos, self.M, self.schedule = runs, groups, infos, microbatches, schedule
         self.transfer_ms = MS * cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0
         self.counts, self.starts, self.ends = stage_shapes(runs)
@@ -283,18 +272,16 @@ class StageColumns:
         price: Callable[[list[list[int]], list[GroupConfig]], tuple[float, float]] | None = None,
     ) -> tuple[float, list | None, bool]:
         """The same bound with whole columns only (each position one shape on one group): a MIP, far
-        tighter where the LP mixes stages (gpt2-small × ``mixed-4type-64`` at M = 8: the LP's
-        93.0–98.9 ms for 3–6 stages, the MIP's proof that none is below the cutoff 101.3 ms in
-        0.2–0.8 s each, session 21). Returns (the bound, at most the cutoff; the best solution's
+        tighter where the LP mixes stages (it proves pieces the LP leaves a few percent below the
+        cutoff closed). Returns (the bound, at most the cutoff; the best solution's
         stages in pipeline order as (layers, group), or None when it has none or its shapes do not
         chain — see :meth:`chain`; whether the MIP was decided, not stopped), within ``time_limit_s``.
 
         With ``price(stages, groups)`` → (that plan's step s, the cutoff s now), every solution the
         MIP finds below the cutoff is priced, then excluded (Σ x ≤ S − 1 over its columns), and the
         MIP solved again under the cutoff ``price`` returns, until none is left below it: the rows
-        only bound the closed form, so a MIP optimum below the cutoff may be a plan that is not
-        (gpt-13b × ``mixed-4type-512`` at M = 32, 7 stages: 12.257 s against the cutoff 12.296 s,
-        session 22). Solutions whose shapes do not chain are no plans and are excluded unpriced. The
+        only bound the closed form, so a MIP optimum below the cutoff may be a plan whose price is
+        not. Solutions whose shapes do not chain are no plans and are excluded unpriced. The
         bound is then the least of the cutoff, the MIP's and the priced plans; the solutions went
         to ``price``, and None is returned for them."""
         import highspy
@@ -404,8 +391,6 @@ class _PositionsLP:
         self.highs = None if self.empty else self._load()
 
     def _load(self):
-        from orchestrator.solver._highs import highs_lp
-
         c, S, M = self.c, self.S, self.c.M
         X = len(self.position)
         pos, shape, group = self.position, self.shape, self.group
@@ -477,8 +462,8 @@ class _PositionsLP:
 
         Reduced-cost fixing: with z the LP's optimum and d_j ≥ 0 the reduced cost of a column at 0,
         every point of the LP with x_j = 1 has Z ≥ z + d_j (LP duality), so where z + d_j ≥ cutoff
-        no plan below the cutoff uses column j. On GPT-175B × ``mixed-4type-512`` at M = 64 this
-        drops 82–98% of the columns of 9 to 16 stages (session 22)."""
+        no plan below the cutoff uses column j; under a good incumbent that is most columns of the
+        deep pipelines."""
         import highspy
 
         X = len(self.position)

@@ -1,8 +1,7 @@
 """Local search from an incumbent: the plans one change away, priced exactly, until none is better.
 
 The ILP's branch and bound finds good plans slowly where the search space is wide (64 devices
-of four types: gpt2-small × ``mixed-4type-64`` went from the heuristic's 143.4 ms to 119.6 ms
-only after 270 s of solves, session 13). Most of those better plans are a few changes away
+of four types take it minutes to improve on the heuristic by a sixth). Most of those better plans are a few changes away
 from the heuristic's, so a local search reaches them in a fraction of a second and hands the
 ILP a better incumbent, which cuts off more of its search.
 
@@ -20,8 +19,8 @@ A plan is (stages: contiguous layer ranges, groups: one per stage, M). Its neigh
     reorder        the stages' device sets in the same order or with two of them swapped, every
                    layer boundary cut anew for the least slowest stage (``_rebalance``), each
                    stage with recomputation on or off as suits it; tried only at a local optimum
-                   of the moves above, first improvement (GPT-175B's 97 orders, 93 of which fit, cut in
-                   0.16 s before pricing)
+                   of the moves above, first improvement (a 16-stage pipeline has about a hundred
+                   orders, each cut in milliseconds before pricing)
 
 Each neighbour is priced as ``evaluate`` prices a plan (its stages' summaries, each computed once) —
 the closed form the ILP's objective is — and must fit in memory. Steepest descent takes the best
@@ -41,31 +40,22 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from orchestrator.planner._evaluate import Evaluation, StageSummary, evaluate, summarize_stage
 from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._incumbent import Incumbent
 from orchestrator.planner._rebalance import Rebalancer
 
 log = logging.getLogger(__name__)
 
 # random moves that kick a local optimum before the next descent
 KICK = 2
-# kicks in a row that find nothing better before the search stops: the improvements measured came
-# within 10 kicks of the last (gpt2-small and mamba-130m × mixed-4type-64 and -512), and with 200 the
-# search took its whole share where it found nothing (3 s of gpt2-small × a100x8's 3.4 s, session 13)
+# kicks in a row that find nothing better before the search stops: on the presets an improvement
+# comes within 10 kicks of the last or not at all, and a larger patience spends the search's whole
+# share where it finds nothing
 PATIENCE = 20
 
 Candidate = tuple[tuple[tuple[int, ...], ...], tuple[GroupConfig, ...], int]
-
-
-@dataclass(frozen=True, slots=True)
-class Polished:
-    score: float
-    evaluation: Evaluation
-    stages: list[list[int]]
-    groups: list[GroupConfig]
-    microbatches: int
 
 
 def polish(
@@ -79,7 +69,7 @@ def polish(
     max_stages: int,
     score: Callable[[Evaluation, list[list[int]], list[GroupConfig]], float],
     deadline: float,
-) -> Polished | None:
+) -> Incumbent | None:
     """The local optimum reached from the plan (``stages``, ``groups``, ``microbatches``), or None
     when it does not fit. ``score`` is what is minimised (the step time, plus the migration when
     re-planning); ``deadline`` is a ``time.perf_counter()`` time."""
@@ -176,7 +166,7 @@ def polish(
             current, priced, since, improved = found, found_priced, 0, time.perf_counter()
             log.debug("polish: %.6g ms after %d kicks, %d plans priced", priced * 1e3, kicks, len(seen))
     parts, chosen, M = current
-    return Polished(priced, evaluation(current), [list(p) for p in parts], list(chosen), M)
+    return Incumbent(priced, evaluation(current), [list(p) for p in parts], list(chosen), M)
 
 
 class _Moves:

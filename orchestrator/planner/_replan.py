@@ -33,12 +33,17 @@ import math
 import time
 from collections import Counter
 
+from orchestrator.planner._driver import plan
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig, stage_group
-from orchestrator.planner._ilp import StageModel, in_flight, simple_bound_s
+from orchestrator.planner._ilp import in_flight, simple_bound_s
+from orchestrator.planner._incumbent import Incumbent
+from orchestrator.planner._make_plan import make_plan
 from orchestrator.planner._migration import Migration
+from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._plan import Plan, PlanNotFound
-from orchestrator.planner._search import DEFAULT_MICROBATCHES, make_plan, offers_mixed, plan, search_space
+from orchestrator.planner._space import DEFAULT_MICROBATCHES, search_space
+from orchestrator.planner._split import StageCosts, min_bottleneck_split
 from orchestrator.solver import solve
 
 _CACHE: dict[str, Plan] = {}
@@ -79,8 +84,6 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
     groups that fit the freed devices; for each choice the previous split and the split that
     balances the stages on those groups (``min_bottleneck_split``) are scored. Returns the best
     feasible ``(stages, groups, M, evaluation)``, or None (also beyond ``limit`` choices)."""
-    from orchestrator.baselines._split import StageCosts, min_bottleneck_split
-
     M, S = previous.microbatches, len(previous.stages)
     lost = [s for s in range(S) if s not in kept]
     options = [[g for g in space.groups if _fits(g, free) and space.table.microbatch(g, M) is not None] for _ in lost]
@@ -107,9 +110,9 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
                 continue
             ev = evaluate(split, groups, M, table=space.table, infos=space.infos, schedule=previous.schedule,
                           links=space.links)  # fmt: skip
-            if ev.feasible and (best is None or score(ev, split, groups) < best[0]):
-                best = (score(ev, split, groups), (split, groups, M, ev))
-    return None if best is None else best[1]
+            if ev.feasible and (best is None or score(ev, split, groups) < best.score):
+                best = Incumbent(score(ev, split, groups), ev, split, groups, M)
+    return None if best is None else (best.stages, best.groups, best.microbatches, best.evaluation)
 
 
 def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, migration: Migration | None):
@@ -138,16 +141,7 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     kept_groups = {stage_group(previous.stages[s]) for s in kept}
     groups = [g for g in space.groups if g in kept_groups or _fits(g, free)]
     for fix_layers in (True, False):
-        sub = StageModel(
-            runs=space.runs,
-            max_stages=S,
-            microbatches=M,
-            groups=groups,
-            table=space.table,
-            infos=space.infos,
-            schedule=previous.schedule,
-            links=space.links,
-        )
+        sub = space.stage_model(M, S, previous.schedule, groups=groups)
         if not sub.groups:
             return None
         sub.build()
@@ -209,7 +203,7 @@ def replan(
       PlanInfeasible, PlanNotFound: as :func:`plan` (``widen=False``: PlanNotFound when the
         repair finds nothing).
     """
-    mixed_stages = offers_mixed(model.cluster, mixed_stages)
+    mixed_stages = SearchOptions().offers_mixed(model.cluster, mixed_stages)
     started = time.perf_counter()
     settings = {
         "global_batch": global_batch or previous.global_batch,

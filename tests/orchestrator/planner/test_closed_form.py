@@ -78,7 +78,7 @@ def test_the_ilp_objective_is_the_closed_form_and_the_replay_agrees(schedule):
     """On random chains (2 device types, links priced, DP sync and optimizer): the ILP's optimum
     equals enumeration under the closed form (1F1B: also ``test_exact``), and the event replay is
     within 5% of it."""
-    from orchestrator.planner._exhaustive import exhaustive_plan
+    from orchestrator.planner.baselines import exhaustive_plan
 
     checked, worst = 0, 0.0
     for seed in range(10):

@@ -2,10 +2,9 @@
 
 import pytest
 
-from orchestrator.baselines import BASELINES
 from orchestrator.bench._synthetic import random_instance
 from orchestrator.planner import PlanInfeasible, plan
-from orchestrator.planner._exhaustive import exhaustive_plan
+from orchestrator.planner.baselines import BASELINES, exhaustive_plan
 
 SETTINGS = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages": 3}
 

@@ -7,9 +7,9 @@ import pytest
 
 from orchestrator.bench._synthetic import random_instance
 from orchestrator.planner._evaluate import evaluate
-from orchestrator.planner._exhaustive import _partitions
 from orchestrator.planner._ilp import link_bound_s
-from orchestrator.planner._search import search_space
+from orchestrator.planner._space import search_space
+from orchestrator.planner.baselines._exhaustive import _partitions
 
 BATCH, STAGES = 8, 3
 

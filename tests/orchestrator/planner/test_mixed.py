@@ -4,9 +4,9 @@ import pytest
 
 from orchestrator.bench._synthetic import SyntheticCosts, SyntheticLayer, random_instance, synthetic_cluster
 from orchestrator.planner import Plan, plan
-from orchestrator.planner._exhaustive import exhaustive_plan
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._search import search_space
+from orchestrator.planner._space import search_space
+from orchestrator.planner.baselines import exhaustive_plan
 
 BLOCK = SyntheticLayer(flops=4e12, param_bytes=1e8, activation_per_sample=2e8, output_per_sample=1e7)
 

@@ -6,10 +6,10 @@ import math
 import pytest
 
 from orchestrator.bench._synthetic import random_instance
-from orchestrator.planner._exhaustive import exhaustive_plan
 from orchestrator.planner._ilp import simple_bound_s, undominated
 from orchestrator.planner._packing import PackingBound
-from orchestrator.planner._search import search_space
+from orchestrator.planner._space import search_space
+from orchestrator.planner.baselines import exhaustive_plan
 
 BATCH, STAGES = 8, 3
 
@@ -18,16 +18,7 @@ def _bound(space, M, schedule, stages):
     groups = undominated(
         [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
     )
-    packing = PackingBound(
-        space.runs,
-        groups,
-        space.table,
-        space.infos,
-        microbatches=M,
-        max_stages=stages,
-        schedule=schedule,
-        links=space.links,
-    )
+    packing = PackingBound(space, groups, microbatches=M, max_stages=stages, schedule=schedule)
     return packing, simple_bound_s(space.runs, groups, space.table, space.infos, M)
 
 

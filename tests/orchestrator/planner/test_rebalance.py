@@ -8,7 +8,7 @@ from orchestrator.bench._synthetic import random_instance
 from orchestrator.planner._evaluate import summarize_stage
 from orchestrator.planner._ilp import in_flight
 from orchestrator.planner._rebalance import Rebalancer
-from orchestrator.planner._search import search_space
+from orchestrator.planner._space import search_space
 
 BATCH = 8
 
@@ -80,8 +80,8 @@ def test_rebalance_finds_the_least_bottleneck_of_every_cut():
 
 
 def test_reorders_keep_the_device_sets_cover_every_layer_and_never_slow_the_bottleneck():
-    from orchestrator.baselines import BASELINES
     from orchestrator.planner._polish import _Moves
+    from orchestrator.planner.baselines import BASELINES
 
     checked = 0
     for seed in range(16):

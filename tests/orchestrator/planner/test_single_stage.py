@@ -1,4 +1,4 @@
-"""The best one-stage plan (``_single_stage``), which joins the planner's first incumbent, against
+"""The best one-stage plan (``_starts.single_stage``), which joins the planner's first incumbent, against
 pricing every group at every M: skipping the groups whose state alone overflows loses no plan, and
 each M's least one-stage time (the bound of the ILP's one-stage piece of that M) is that M's optimum."""
 
@@ -8,7 +8,8 @@ import pytest
 
 from orchestrator.bench._synthetic import random_instance
 from orchestrator.planner._evaluate import evaluate
-from orchestrator.planner._search import _single_stage, _state_overflows, search_space
+from orchestrator.planner._space import search_space
+from orchestrator.planner._starts import single_stage, state_overflows
 
 BATCH, CANDIDATES = 8, (8, 4, 2, 1)
 
@@ -28,8 +29,8 @@ def test_single_stage_is_the_best_one_stage_plan(schedule):
             if space.table.microbatch(g, M) is not None
         ]  # fmt: skip
         fitting = [ev.iteration_s for ev, _, _ in priced if ev.feasible]
-        skipped += sum(_state_overflows(space.table, layers, g, M) for _, g, M in priced)
-        one = _single_stage(space, CANDIDATES, schedule, deadline=math.inf)
+        skipped += sum(state_overflows(space.table, layers, g, M) for _, g, M in priced)
+        one = single_stage(space, CANDIDATES, schedule, deadline=math.inf)
         assert one.complete
         for M in CANDIDATES:
             at_m = [ev.iteration_s for ev, _, m in priced if m == M and ev.feasible]
@@ -47,5 +48,5 @@ def test_single_stage_is_the_best_one_stage_plan(schedule):
 
 def test_a_deadline_leaves_the_pricing_incomplete():
     space = search_space(random_instance(0), BATCH, recompute=True, mixed=True)
-    one = _single_stage(space, CANDIDATES, "1f1b", deadline=0.0)
+    one = single_stage(space, CANDIDATES, "1f1b", deadline=0.0)
     assert not one.complete and one.best is None

@@ -5,9 +5,9 @@ import random
 
 import numpy as np
 
-from orchestrator.baselines._split import StageCosts, best_config, fastest_times, min_bottleneck_split
 from orchestrator.bench._synthetic import random_instance
-from orchestrator.planner._search import search_space
+from orchestrator.planner._space import search_space
+from orchestrator.planner._split import StageCosts, best_config, fastest_times, min_bottleneck_split
 
 
 def _splits(layers: int, stages: int):

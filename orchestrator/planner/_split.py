@@ -1,4 +1,4 @@
-"""Shared pieces of the baselines: the best configuration for a stage on fixed devices, and chain splits."""
+"""Chain splits and the best configuration for a stage on fixed devices, shared by the baselines and re-planning."""
 
 from __future__ import annotations
 

@@ -1,0 +1,214 @@
+"""Bounds on every (M, S) piece before any ILP is built: whole stages as columns, then packing.
+
+- **Column bounds** (``_paths``): for every M and S the LP over whole stages as columns, then,
+  where the LP leaves the piece open, its MIP. Every plan a MIP finds is priced, may become the
+  incumbent, and is excluded from that MIP; most pieces close here.
+- **Packing bounds** (``_packing``): for each M not bounded for every S by its columns, a bound
+  on any stage count, which drops the M that cannot beat the incumbent.
+
+Each bound is at most the cutoff (:func:`~orchestrator.planner._incumbent.cutoff_ms`), which
+closes its piece or M.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._ilp import MS, simple_bound_s, undominated
+from orchestrator.planner._incumbent import Best, Incumbent
+from orchestrator.planner._options import SearchOptions
+from orchestrator.planner._packing import TOLERANCE, PackingBound
+from orchestrator.planner._paths import StageColumns
+from orchestrator.planner._space import SearchSpace
+from orchestrator.planner._workers import default_workers
+from orchestrator.solver import highs_available
+
+log = logging.getLogger(__name__)
+
+
+def packing_bounds(
+    space: SearchSpace,
+    candidates,
+    max_stages: int,
+    best: Best,
+    *,
+    gap: float,
+    deadline: float,
+    options: SearchOptions,
+) -> dict[int, float]:
+    """{M: packing bound (s)}, never below the capacity bound: +inf where no plan of that M fits, the
+    cutoff where none is ``gap`` better than the incumbent.
+
+    Two passes. First every M to ``options.coarse`` (fewest microbatches first: where memory binds
+    hardest the bound is cheapest), each with an equal share of the time left; then what is left
+    refines the weakest M, which is the one the certified bound reads, to the packing search's own
+    tolerance: one pass to full precision spends the time on M whose bounds the certificate never
+    reads and leaves the last M short. A search stopped by its share keeps the bound it reached."""
+    incumbent, cutoff_s = best.current, best.cutoff_s(gap)
+    found, searches = {}, {}
+    for index, M in enumerate(sorted(candidates)):
+        groups = undominated(
+            [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
+        )
+        simple = simple_bound_s(space.runs, groups, space.table, space.infos, M)
+        if not groups or time.perf_counter() >= deadline or not highs_available():  # (the LP needs highspy)
+            found[M] = simple
+            continue
+        searches[M] = PackingBound(space, groups, microbatches=M, max_stages=max_stages, schedule=best.schedule)
+        share = time.perf_counter() + (deadline - time.perf_counter()) / (len(candidates) - index)
+        found[M] = _packing_search(searches[M], simple, cutoff_s, incumbent, share, options.coarse)
+        log.debug("M=%d: packing bound %.6g s (capacity %.6g s)", M, found[M], simple)
+    refined: set[int] = set()
+    while time.perf_counter() < deadline:
+        open_bounds = [M for M in searches if M not in refined and found[M] < cutoff_s]
+        if not open_bounds:
+            break
+        M = min(open_bounds, key=found.get)
+        found[M] = max(found[M], _packing_search(searches[M], found[M], cutoff_s, incumbent, deadline, TOLERANCE))
+        refined.add(M)
+        log.debug("M=%d: packing bound refined to %.6g s", M, found[M])
+    return found
+
+
+def _packing_search(
+    search: PackingBound,
+    above_s: float,
+    cutoff_s: float,
+    incumbent: Incumbent | None,
+    deadline: float,
+    tolerance: float,
+) -> float:
+    bound = search.bound_s(above_s=above_s, below_s=cutoff_s, deadline=deadline, tolerance=tolerance)
+    if bound == math.inf and incumbent:  # (with no incumbent, +inf means no plan of this M fits)
+        return cutoff_s
+    return bound
+
+
+def column_bounds(
+    space: SearchSpace,
+    candidates,
+    max_stages: int,
+    best: Best,
+    *,
+    gap: float,
+    deadline: float,
+    options: SearchOptions,
+) -> dict[int, dict[int, float]]:
+    """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff, which
+    closes the piece: the LP of every (M, S), the incumbent's M and its neighbours first, then, where
+    an LP leaves its (M, S) more than ``gap`` below the incumbent, its MIP (after every LP, weakest
+    first; a fair share of the time left, at least ``options.column_mip_s``), all on
+    ``default_workers()`` threads (highspy releases the GIL). Every MIP solution whose stages chain
+    is offered to ``best``; the MIP then excludes it and goes on (``StageColumns.integer_bound_s``).
+    A better incumbent lowers the cutoff for the MIPs running and still to run, and a MIP stopped by
+    its time limit runs again, with at least ``options.retry_growth`` times its last limit, while
+    time is left. Solves ``deadline`` stops leave their (M, S) out (LP) or at the LP's bound (MIP)."""
+    found: dict[int, dict[int, float]] = {M: {} for M in candidates}
+    if not highs_available():
+        return found
+    cutoff_s = best.cutoff_s(gap)
+    columns: dict[int, StageColumns] = {}
+    for M in candidates:
+        groups = [g for g in space.groups if space.table.microbatch(g, M) is not None]
+        if not groups:  # no group divides the microbatch: no plan of this M
+            found[M] = dict.fromkeys(range(1, max_stages + 1), math.inf)
+            continue
+        columns[M] = StageColumns(space, groups, microbatches=M, schedule=best.schedule)
+    near = best.current.microbatches if best.current else max(candidates, default=1)
+    order = sorted(columns, key=lambda M: abs(math.log2(M / near)))
+    workers = default_workers()
+    pool = ThreadPoolExecutor(workers)
+    jobs = [
+        ("lp", M, S, functools.partial(columns[M].bound_s, S, cutoff_s=cutoff_s))
+        for M in order
+        for S in range(1, max_stages + 1)
+    ]
+    limits: dict[tuple[int, int], float] = {}  # each MIP's last time limit
+
+    lock = threading.Lock()
+
+    def price(M: int, stages: list[list[int]], groups: list[GroupConfig]) -> tuple[float, float]:
+        """A MIP's plan offered to ``best``: (its step time, fitting or not; the cutoff now). A MIP
+        excludes the plan for every plan of the columns it dominates, whose step time is no lower
+        (``_paths``), but which may fit where it does not, and whose migration term may be lower:
+        what bounds their scores is its step time. Past the deadline the search has moved on:
+        (0, 0) ends the MIP, whose result is not read."""
+        nonlocal cutoff_s
+        if time.perf_counter() >= deadline:
+            return 0.0, 0.0
+        with lock:
+            before = best.current
+            ev = best.offer(stages, groups, M)
+            if best.current is not before:
+                log.debug("column plan: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, M, len(stages))
+            cutoff_s = best.cutoff_s(gap)
+            return ev.iteration_s, cutoff_s
+
+    def mip(M: int, S: int):  # (under the cutoff of the incumbent when it starts)
+        left = deadline - time.perf_counter()
+        share = left * workers / (len(jobs) + 1)  # (the MIPs still waiting, and this one)
+        limit = limits[M, S] = min(
+            left, max(options.column_mip_s, share, options.retry_growth * limits.get((M, S), 0.0))
+        )
+        return columns[M].integer_bound_s(S, cutoff_s=cutoff_s, time_limit_s=limit, price=functools.partial(price, M))
+
+    def queue(pieces) -> None:  # MIPs of the open pieces, weakest first (never without an incumbent)
+        if best.current is not None:
+            waiting = sorted((found[M][S], M, S) for M, S in pieces if found[M][S] < cutoff_s)
+            jobs.extend(("mip", M, S, functools.partial(mip, M, S)) for _, M, S in waiting)
+
+    lps, stopped = len(jobs), []
+    try:
+        for kind, M, S, result in _on_threads(pool, workers, jobs, deadline):
+            if kind == "lp":
+                found[M][S] = result
+                lps -= 1
+                if not lps:
+                    log.debug("column LPs done")
+                    queue([(M, S) for M, bounds in found.items() for S in bounds])
+                continue
+            bound, _, decided = result  # (its plans went to ``price``)
+            log.debug(
+                "column MIP M=%d S=%d: %.6g ms (LP %.6g), decided %s, limit %.2f s",
+                M,
+                S,
+                bound * MS,
+                found[M][S] * MS,
+                decided,
+                limits[M, S],
+            )
+            found[M][S] = max(found[M][S], bound)
+            if not decided:
+                stopped.append((M, S))
+            if not jobs:  # the pass is over: the MIPs stopped early go again
+                queue(stopped)
+                stopped = []
+    finally:
+        pool.shutdown(wait=False)  # a solve still running past the deadline ends at its own time limit
+    for M, bounds in found.items():
+        log.debug(
+            "M=%d: column bounds %s ms",
+            M,
+            ", ".join(f"{S}: {'closed' if b >= cutoff_s else f'{b * MS:.6g}'}" for S, b in sorted(bounds.items())),
+        )
+    return found
+
+
+def _on_threads(pool: ThreadPoolExecutor, workers: int, jobs: list, deadline: float):
+    """Run the (kind, M, S, job) of ``jobs``, first first, at most one per worker at once, yielding
+    (kind, M, S, job()) as each ends, until ``deadline``; the caller may add jobs between yields."""
+    running = {}
+    while (jobs or running) and (left := deadline - time.perf_counter()) > 0:
+        while jobs and len(running) < workers:
+            kind, M, S, job = jobs.pop(0)
+            running[pool.submit(job)] = (kind, M, S)
+        done, _ = wait(running, timeout=left, return_when=FIRST_COMPLETED)
+        for future in done:
+            kind, M, S = running.pop(future)
+            yield kind, M, S, future.result()

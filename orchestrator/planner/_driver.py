@@ -1,0 +1,248 @@
+"""``plan()``: solve the stage ILP for every stage count and microbatch count, keep the best.
+
+The ILP (``_ilp``) fixes M so that in-flight activations (which depend on a stage's distance
+from the end of the pipeline) stay linear, and each M's model is solved once per stage count S
+(a *piece*, ``_pieces``), the pieces of one M in its HiGHS sessions, up to one solve per core at
+once (``_workers``). The search runs in three steps, each in its share of the time limit
+(:class:`~orchestrator.planner._options.SearchOptions`):
+
+1. **A first incumbent** (``_starts``): the balanced heuristic, the baselines and the best
+   one-stage plan, improved by a local search (``_polish``).
+2. **Bounds** (``_bounds``): every (M, S) piece gets a bound from whole stages as columns (an LP,
+   then a MIP where the LP leaves it open; every plan a MIP finds may become the incumbent), which
+   closes most pieces before any ILP is built; every M not bounded for every S gets its packing
+   bound, which drops the M that cannot beat the incumbent.
+3. **Pieces** (``_models``, ``_solve``): every other M's model is built and cut into pieces;
+   a first pass gives each piece (fewest stages first) a short, presolve-free solve, and most
+   prove at once that they cannot beat the incumbent; rounds over the pieces still open, weakest
+   bound first, share what is left.
+
+Every solve asks only for plans ``gap`` better than the incumbent (``_incumbent``), and an M or
+piece whose bound is within ``gap`` of it is closed: the plan returned is then certified within
+``gap`` of the optimum, not necessarily optimal. The certified lower bound is the smallest bound
+over all pieces and closed M (``_pieces.Certificate``), so the gap covers the whole search space.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from orchestrator.costs import CostModel
+from orchestrator.planner._bounds import column_bounds, packing_bounds
+from orchestrator.planner._diagnose import infeasibility_message
+from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._incumbent import Best
+from orchestrator.planner._make_plan import make_plan
+from orchestrator.planner._migration import Migration
+from orchestrator.planner._models import build_pieces
+from orchestrator.planner._options import SearchOptions
+from orchestrator.planner._pieces import Certificate, Piece, close_beaten
+from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound
+from orchestrator.planner._solve import first_pass, rounds
+from orchestrator.planner._space import DEFAULT_MICROBATCHES, SearchSpace, search_space
+from orchestrator.planner._starts import first_incumbent
+from orchestrator.planner._workers import PieceWorkers, default_workers
+
+log = logging.getLogger(__name__)
+
+
+def plan(
+    model: CostModel,
+    *,
+    global_batch: int,
+    schedule: str = "1f1b",
+    microbatch_candidates: tuple[int, ...] = DEFAULT_MICROBATCHES,
+    max_stages: int | None = None,
+    time_limit_s: float = 30.0,
+    gap: float = 1e-3,
+    recompute: bool = True,
+    start: tuple[list[list[int]], list[GroupConfig], int] | None = None,
+    prefer_devices: list[tuple[str, ...] | None] | None = None,
+    migration: Migration | None = None,
+    zero: bool = False,
+    mixed_stages: bool | None = None,
+    options: SearchOptions | None = None,
+) -> Plan:
+    """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
+
+    One ILP per microbatch count M decides the stage count (≤ ``max_stages``), the
+    split, each stage's group and recompute; the certified lower bound is the smallest
+    of the per-M bounds, so the reported gap covers the whole search space. An M whose
+    packing bound or LP relaxation already reaches the incumbent is skipped (its bound is
+    then above the incumbent and cannot lower the certified bound).
+
+    Args:
+      model: the cost model (it carries the layers and the cluster).
+      global_batch: samples per step; M must divide it, and each stage's data-parallel
+        degree must divide the microbatch.
+      schedule: "1f1b" or "gpipe" (what in-flight activations each stage holds).
+      microbatch_candidates: the M to consider.
+      max_stages: the largest pipeline depth (default: layers, at most 16).
+      time_limit_s: wall-clock budget for all solves; the incumbent and its gap are
+        returned when it runs out.
+      gap: relative gap at which each solve stops.
+      recompute: also consider recomputing each stage's forward in its backward.
+      start: a known plan (layers per stage, groups, M) to start from, e.g. the previous
+        plan when re-planning; used when it fits and beats the heuristic.
+      prefer_devices: devices for the stage at each position counted from the end of the
+        pipeline (0 = last stage), used when its group still fits them (re-planning keeps
+        surviving stages where they are, so their state need not move).
+      migration: when re-planning, the cost of moving state off the previous plan's surviving
+        stages, amortised per step and added to the objective (``_migration``); the plan's
+        ``objective`` then includes it, its ``iteration_s`` does not.
+      zero: plan with ZeRO-1: every stage with data parallelism shards its optimizer state
+        over its replicas (less memory, and the update split; its gradient sync becomes a
+        reduce-scatter and an all-gather, in the ring model the cost of the all-reduce it
+        replaces). Off by default, as in the executor; the stages record it (``Stage.zero``).
+      mixed_stages: also consider stages on hosts of two device types, each type's replicas
+        with its own batch share (``_groups``, ``CostTable``). None (default): on clusters of at
+        most ``options.mixed_hosts`` hosts. The executor runs one SPMD program per stage, which
+        cannot give replicas uneven shares: plan with False to execute.
+      options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
+
+    Returns:
+      The best plan found, with its certified lower bound and gap.
+
+    Raises:
+      PlanInfeasible: no plan fits (proven); the message names the binding constraint and
+        the least extra memory per device that would make one exist.
+      PlanNotFound: the time limit ran out before any plan was found and before the
+        search space was proven empty.
+
+    Example:
+      >>> from orchestrator.planner import plan
+      >>> found = plan(model, global_batch=8, time_limit_s=10)  # doctest: +SKIP
+      >>> found.gap <= 1e-3 or found.status == "Time limit reached"  # doctest: +SKIP
+      True
+    """
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    started = time.perf_counter()
+    options = options or SearchOptions()
+    mixed = options.offers_mixed(model.cluster, mixed_stages)
+    space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed)
+    max_stages = min(max_stages or 16, space.layers, len(model.cluster.devices()))
+    candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
+    log.debug(
+        "search space in %.2f s: %d groups, %d runs, M in %s",
+        time.perf_counter() - started,
+        len(space.groups),
+        len(space.runs),
+        candidates,
+    )
+    keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
+    best = Best(space, schedule, migration=migration, keys=keys)
+    certificate = Certificate(best, gap)
+
+    def left() -> float:
+        return time_limit_s - (time.perf_counter() - started)
+
+    one_stage_s = first_incumbent(
+        model,
+        best,
+        global_batch=global_batch,
+        candidates=candidates,
+        max_stages=max_stages,
+        recompute=recompute,
+        given=start,
+        started=started,
+        time_limit_s=time_limit_s,
+        options=options,
+    )
+    columns = column_bounds(
+        space,
+        candidates,
+        max_stages,
+        best,
+        gap=gap,
+        deadline=time.perf_counter() + options.column_share * left(),
+        options=options,
+    )
+    # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
+    # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
+    complete = {M: min(b.values()) for M, b in columns.items() if len(b) == max_stages}
+    packing = packing_bounds(
+        space,
+        [M for M in candidates if M not in complete],
+        max_stages,
+        best,
+        gap=gap,
+        deadline=time.perf_counter() + options.packing_share * left(),
+        options=options,
+    )
+    packing.update(complete)
+    pieces = build_pieces(
+        space,
+        candidates,
+        max_stages,
+        certificate,
+        packing=packing,
+        columns=columns,
+        one_stage_s=one_stage_s,
+        migration=migration,
+        started=started,
+        time_limit_s=time_limit_s,
+        options=options,
+    )
+    # the search ends a little early, so the plan (devices, explanation) is built within the limit
+    deadline = started + time_limit_s - min(options.finish_s, time_limit_s / 100)
+    _solve_pieces(pieces, certificate, deadline=deadline, options=options)
+    if best.current is None:
+        _no_plan(model, space, certificate, candidates, max_stages, schedule, global_batch, time_limit_s)
+    found = best.current
+    return make_plan(
+        model,
+        space,
+        found.evaluation,
+        found.stages,
+        found.groups,
+        found.microbatches,
+        schedule=schedule,
+        global_batch=global_batch,
+        bound=certificate.lower,
+        gap=gap,
+        started=started,
+        prefer_devices=prefer_devices,
+        objective=found.score,
+    )
+
+
+def _solve_pieces(pieces: list[Piece], certificate: Certificate, *, deadline: float, options: SearchOptions) -> None:
+    """The first pass over ``pieces`` (fewest stages first), then rounds over those still open, until
+    ``deadline``; every solve and every piece's final bound go into ``certificate``."""
+    best, gap = certificate.best, certificate.gap
+    close_beaten(pieces, best.current, gap)  # none is gap better than the incumbent
+    pieces.sort(key=lambda p: p.stages)
+
+    def current():
+        return best.current
+
+    with PieceWorkers(
+        default_workers(), lambda piece, result: certificate.record(piece.model, result, piece)
+    ) as workers:
+        pieces = first_pass(pieces, workers, current, gap=gap, deadline=deadline, options=options)
+        rounds(pieces, workers, current, gap=gap, deadline=deadline, options=options)
+    certificate.settle(pieces)
+
+
+def _no_plan(
+    model: CostModel,
+    space: SearchSpace,
+    certificate: Certificate,
+    candidates: list[int],
+    max_stages: int,
+    schedule: str,
+    global_batch: int,
+    time_limit_s: float,
+) -> None:
+    """Raise why the search found no plan: out of time before it proved none fits, or none fits."""
+    if certificate.unproven:
+        raise PlanNotFound(
+            f"no plan found within time_limit_s={time_limit_s:g} for {space.layers} layers on "
+            f"{len(model.cluster.devices())} devices, and none proven impossible (microbatch counts "
+            f"{sorted(certificate.unproven)} ran out of time): raise time_limit_s"
+        )
+    raise PlanInfeasible(infeasibility_message(model, space, candidates, max_stages, schedule, global_batch))

@@ -1,0 +1,131 @@
+"""The :class:`Plan` of a priced solution: concrete devices for each stage, and its certificate."""
+
+from __future__ import annotations
+
+import time
+
+from orchestrator.cluster import Cluster
+from orchestrator.costs import CostModel
+from orchestrator.planner._diagnose import binding_notes
+from orchestrator.planner._evaluate import Evaluation
+from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._plan import Plan, PlanInfeasible, Stage
+from orchestrator.planner._space import SearchSpace
+from orchestrator.solver import highs_available
+
+
+def make_plan(
+    model: CostModel,
+    space: SearchSpace,
+    ev: Evaluation,
+    stages: list[list[int]],
+    chosen: list[GroupConfig],
+    M: int,
+    *,
+    schedule: str,
+    global_batch: int,
+    bound: float,
+    gap: float,
+    started: float,
+    prefer_devices: list[tuple[str, ...] | None] | None = None,
+    objective: float | None = None,
+) -> Plan:
+    """The :class:`Plan` of an evaluated solution: devices allocated (``prefer_devices`` by
+    position from the end), certified ``bound`` (s) on the step time; ``objective`` defaults to
+    the step time."""
+    S = len(chosen)
+    prefer = [
+        prefer_devices[S - 1 - s] if prefer_devices and S - 1 - s < len(prefer_devices) else None for s in range(S)
+    ]
+    devices = allocate(model.cluster, chosen, prefer=prefer)
+    plan_stages = tuple(
+        Stage(
+            layers=tuple(layers),
+            device_type=g.device_type,
+            devices=devices[s],
+            tp=g.tp,
+            dp=g.dp,
+            recompute=g.recompute,
+            zero=space.table.zero and g.dp > 1,
+            microbatch_size=space.table.microbatch(g, M),
+            parts=g.parts,
+            shares=space.table.shares(g, M) if g.mixed else (),
+            time_s=ev.stage_time_s[s],
+            memory_bytes=ev.stage_memory_bytes[s],
+            forward_s=ev.stage_forward_s[s],
+            send_s=ev.stage_send_s[s],
+            dp_sync_s=ev.stage_sync_s[s],
+            optimizer_s=ev.stage_optimizer_s[s],
+        )
+        for s, (layers, g) in enumerate(zip(stages, chosen))
+    )
+    bound = min(bound, ev.iteration_s)
+    final_gap = (ev.iteration_s - bound) / ev.iteration_s if ev.iteration_s > 0 else 0.0
+    return Plan(
+        stages=plan_stages,
+        schedule=schedule,  # type: ignore[arg-type]
+        microbatches=M,
+        global_batch=global_batch,
+        iteration_s=ev.iteration_s,
+        breakdown=ev.breakdown,
+        solver="HiGHS" if highs_available() else "CBC",
+        status="Optimal" if final_gap <= gap else "Time limit reached",
+        objective=ev.iteration_s if objective is None else objective,
+        bound=bound,
+        gap=final_gap,
+        solve_s=time.perf_counter() - started,
+        notes=binding_notes(stages, chosen, M, ev, space),
+    )
+
+
+def allocate(
+    cluster: Cluster, groups: list[GroupConfig], prefer: list[tuple[str, ...] | None] | None = None
+) -> list[tuple[str, ...]]:
+    """Concrete devices for each stage: preferred devices where they still match its group,
+    then whole hosts first, then host slices, first fit. Devices come replica-major: each run
+    of ``tp`` devices is one tensor-parallel group inside one host."""
+    kinds = {d.ref: d.device_type for d in cluster.devices()}
+    out: list[tuple[str, ...] | None] = [None] * len(groups)
+    taken: set[str] = set()
+    for index, wanted in enumerate(prefer or []):
+        group = groups[index] if index < len(groups) else None
+        if (
+            group is not None
+            and not group.mixed
+            and wanted
+            and len(wanted) == group.size
+            and all(kinds.get(d) == group.device_type for d in wanted)
+            and not taken & set(wanted)
+        ):
+            out[index] = tuple(wanted)
+            taken |= set(wanted)
+    free: dict[str, list[list[str]]] = {}
+    for host in cluster.hosts:
+        refs = [d.ref for d in cluster.devices() if d.host == host.name and d.ref not in taken]
+        free.setdefault(host.device_type, []).append(refs)
+    for index in sorted(range(len(groups)), key=lambda i: -groups[i].size):
+        if out[index] is not None:
+            continue
+        group = groups[index]
+        # a mixed group: its first type's replicas, then its second's
+        out[index] = tuple(
+            ref for kind, size in group.by_type.items() for ref in _take(free[kind], kind, size, group.tp)
+        )
+    return out  # type: ignore[return-value]
+
+
+def _take(hosts: list[list[str]], kind: str, size: int, tp: int) -> list[str]:
+    """``size`` free devices from ``hosts`` (lists of free refs, taken from), each run of ``tp`` in one host."""
+    picked: list[str] = []
+    for refs in sorted(hosts, key=len, reverse=size > min(len(h) for h in hosts)):
+        take = min(len(refs), size - len(picked))
+        take -= take % tp  # a tensor-parallel group never spans two hosts
+        if take and (size <= len(refs) or take == len(refs) - len(refs) % tp):
+            picked += refs[:take]
+            del refs[:take]
+        if len(picked) == size:
+            return picked
+    raise PlanInfeasible(
+        f"cannot place {size} {kind} devices with tensor parallelism {tp} inside "
+        "hosts: too many devices are out of service on partly available hosts (mark whole hosts unavailable)"
+    )
