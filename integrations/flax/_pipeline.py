@@ -58,6 +58,7 @@ class Pipeline:
       state: the state placed by :func:`~integrations.flax.shard` with the same ``layers``.
       layers: the coarsened layers of the step the plan was made for.
       param_axes: logical axis names by parameter path (tensor parallelism inside stages).
+      axis_rules: ``(logical axis name, mesh axis or None)`` pairs, as for :func:`~integrations.flax.shard`.
       cluster: resolves the plan's device refs.
       observers: :class:`~integrations.flax.PipelineObserver` s that see every step's dispatches
         (timing, counting, fault injection); ``observers`` is a list, so they can be added later.
@@ -77,6 +78,7 @@ class Pipeline:
         param_axes=None,
         cluster=None,
         observers: Sequence[PipelineObserver] = (),
+        axis_rules=None,
     ):
         if not hasattr(state, "apply_gradients"):
             raise ValueError(
@@ -84,7 +86,9 @@ class Pipeline:
                 "run other states (e.g. from_nnx) under single-stage plans (planner max_stages=1)"
             )
         self.plan = plan
-        self.builder = PipelineBuilder(plan, train_step, state, layers=layers, param_axes=param_axes, cluster=cluster)
+        self.builder = PipelineBuilder(
+            plan, train_step, state, layers=layers, param_axes=param_axes, cluster=cluster, axis_rules=axis_rules
+        )
         self.observers: list[PipelineObserver] = list(observers)
 
     def build(self, state, batch) -> Built:

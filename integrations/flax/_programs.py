@@ -227,12 +227,13 @@ class PipelineBuilder:
     per batch shape, each stage's cut and compiled programs.
 
     Args:
-      plan, train_step, state, layers, param_axes, cluster: as for :class:`~integrations.flax.Pipeline`.
+      plan, train_step, state, layers, param_axes, cluster, axis_rules: as for :class:`~integrations.flax.Pipeline`.
     """
 
-    def __init__(self, plan, train_step: Callable, state, *, layers, param_axes=None, cluster=None):
+    def __init__(self, plan, train_step: Callable, state, *, layers, param_axes=None, cluster=None, axis_rules=None):
         self.plan, self.train_step, self.layers = plan, train_step, layers
         self.param_axes = param_axes or {}
+        self.axis_rules = axis_rules
         devices = device_map(cluster)
         self.meshes = [stage_mesh(stage, devices) for stage in plan.stages]
         self.devices = [tuple(mesh.devices.flat) for mesh in self.meshes]
@@ -260,7 +261,9 @@ class PipelineBuilder:
         return NamedSharding(self.meshes[s], P(DATA) if batch_major else P())
 
     def param_sharding(self, s: int, path: str, shape) -> NamedSharding:
-        return NamedSharding(self.meshes[s], param_spec(shape, self.param_axes.get(path), self.plan.stages[s].tp))
+        return NamedSharding(
+            self.meshes[s], param_spec(shape, self.param_axes.get(path), self.plan.stages[s].tp, self.axis_rules)
+        )
 
     def build(self, state, batch) -> Built:
         """The programs for ``batch``'s shape, cut and compiled on first use."""

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from integrations.flax._capture import is_param_path, param_path_name
-from orchestrator.costs import DEFAULT_LOGICAL_AXIS_RULES, MODEL_AXIS, LogicalAxisRules, logical_to_mesh_axes
+from orchestrator.costs import MODEL_AXIS, LogicalAxisRules, logical_to_mesh_axes
 
 DATA, MODEL = "data", MODEL_AXIS
 
@@ -83,7 +83,7 @@ def param_spec(
     shape: Sequence[int],
     axes: Sequence[str | None] | None,
     tp: int,
-    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    axis_rules: LogicalAxisRules | None = None,
 ) -> P:
     """The PartitionSpec of one parameter under tensor-parallel degree ``tp`` (see module docstring)."""
     return P(*logical_to_mesh_axes(shape, axes, tp, axis_rules))
@@ -153,7 +153,7 @@ def state_shardings(
     owners: Mapping[str, int] | None = None,
     cluster=None,
     zero: bool = False,
-    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    axis_rules: LogicalAxisRules | None = None,
 ):
     """A pytree of ``NamedSharding`` mirroring ``state`` (see module docstring).
 
@@ -220,7 +220,7 @@ def shard(
     layers=None,
     cluster=None,
     zero: bool = False,
-    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    axis_rules: LogicalAxisRules | None = None,
 ):
     """``state`` as ``jax.Array``s placed per ``plan`` (see module docstring).
 

@@ -56,7 +56,16 @@ class StepFunction:
 
 
 def compile_step(
-    plan, train_step: Callable, state, *, param_axes=None, layers=None, cluster=None, zero: bool = False, **pipeline
+    plan,
+    train_step: Callable,
+    state,
+    *,
+    param_axes=None,
+    layers=None,
+    cluster=None,
+    zero: bool = False,
+    axis_rules=None,
+    **pipeline,
 ):
     """A step function executing ``plan``.
 
@@ -64,7 +73,7 @@ def compile_step(
       plan: the plan.
       train_step: ``train_step(state, batch) -> (state, metrics)`` (a Flax TrainState step).
       state: the state as :func:`~integrations.flax.shard` placed it (or abstract, same structure).
-      param_axes, layers, cluster, zero: as for :func:`~integrations.flax.shard`.
+      param_axes, layers, cluster, zero, axis_rules: as for :func:`~integrations.flax.shard`.
       **pipeline: for multi-stage plans, passed to :class:`~integrations.flax.Pipeline`
         (``observers``); single-stage plans ignore them.
 
@@ -86,8 +95,17 @@ def compile_step(
 
         if layers is None:
             raise ValueError("a multi-stage plan needs layers= (the coarsened layers its stages index)")
-        return Pipeline(plan, train_step, state, layers=layers, param_axes=param_axes, cluster=cluster, **pipeline)
+        return Pipeline(
+            plan,
+            train_step,
+            state,
+            layers=layers,
+            param_axes=param_axes,
+            cluster=cluster,
+            axis_rules=axis_rules,
+            **pipeline,
+        )
     [stage] = plan.stages
     mesh = stage_mesh(stage, device_map(cluster))
-    shardings = state_shardings(plan, state, param_axes=param_axes, cluster=cluster, zero=zero)
+    shardings = state_shardings(plan, state, param_axes=param_axes, cluster=cluster, zero=zero, axis_rules=axis_rules)
     return StepFunction(plan, train_step, [mesh], shardings)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from integrations.torch_xla._capture import scope_path
-from orchestrator.costs import DEFAULT_LOGICAL_AXIS_RULES, LogicalAxisRules, logical_to_mesh_axes, tensor_parallel_axes
+from orchestrator.costs import LogicalAxisRules, logical_to_mesh_axes, tensor_parallel_axes
 from orchestrator.planner import Plan
 
 
@@ -56,7 +56,7 @@ def partition_spec(
     axes: Sequence[str | None] | None,
     shape: Sequence[int],
     tp: int,
-    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    axis_rules: LogicalAxisRules | None = None,
 ) -> tuple[str | None, ...]:
     """The partition spec of one parameter: :func:`orchestrator.costs.logical_to_mesh_axes`, the cost model's rule.
 
@@ -77,7 +77,7 @@ def apply(
     *,
     loss_fn: Callable | None = None,
     param_axes: Mapping[str, Sequence[str | None]] | None = None,
-    axis_rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    axis_rules: LogicalAxisRules | None = None,
     zero: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """Shard ``module`` and ``optimizer`` per ``plan`` on the local XLA devices; return a step function.

@@ -93,8 +93,8 @@ _GATHERS = frozenset({"gather"})
 _RESHAPES = frozenset({"reshape"})
 
 
-def tensor_parallel_axes(rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES) -> frozenset[str]:
-    """The logical axis names that ``rules`` map to the tensor-parallel mesh axis ``"model"``.
+def tensor_parallel_axes(rules: LogicalAxisRules | None = None) -> frozenset[str]:
+    """The logical axis names that ``rules`` (:data:`DEFAULT_LOGICAL_AXIS_RULES` if None) map to ``"model"``.
 
     Raises:
       ValueError: a rule is not a (name, mesh axis) pair, or names a mesh axis other than ``"model"`` or None.
@@ -104,7 +104,7 @@ def tensor_parallel_axes(rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES) -
       ['heads']
     """
     split, seen = set(), set()
-    for rule in rules:
+    for rule in DEFAULT_LOGICAL_AXIS_RULES if rules is None else rules:
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ValueError(f"axis rule {rule!r} is not a (logical axis name, mesh axis or None) pair")
         name, mesh_axis = rule
@@ -120,7 +120,7 @@ def sharded_dim(
     shape: Sequence[int] | None,
     axes: Sequence[str | None] | None,
     tp: int | None,
-    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    rules: LogicalAxisRules | None = None,
 ) -> int | None:
     """The dim of a parameter that tensor-parallel degree ``tp`` splits, or None if it stays replicated.
 
@@ -149,7 +149,7 @@ def logical_to_mesh_axes(
     shape: Sequence[int],
     axes: Sequence[str | None] | None,
     tp: int,
-    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    rules: LogicalAxisRules | None = None,
 ) -> tuple[str | None, ...]:
     """The mesh axis of each dim of a parameter under degree ``tp``: ``"model"`` on :func:`sharded_dim`, else None.
 
@@ -169,7 +169,7 @@ def logical_to_mesh_axes(
 
 def param_role(
     axes: Sequence[str | None] | None,
-    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    rules: LogicalAxisRules | None = None,
     *,
     shape: Sequence[int] | None = None,
     tp: int | None = None,
@@ -226,7 +226,7 @@ def _reshaped_size(in_shape: Sequence[int], size: int, out_shape: Sequence[int])
 def tensor_parallel_traits(
     graph: OpGraph,
     param_axes: Mapping[str, Sequence[str | None]],
-    rules: LogicalAxisRules = DEFAULT_LOGICAL_AXIS_RULES,
+    rules: LogicalAxisRules | None = None,
     tp: int | None = None,
 ) -> TensorParallelTraits:
     """Tag every op of ``graph`` (rules in the module docstring) for tensor-parallel degree ``tp``.

@@ -104,6 +104,10 @@ def test_axis_rules_are_one_user_table():
     )
     assert default.traits_for(2).param_roles["wte/embedding"] == "row"
     assert no_vocab.traits_for(2).param_roles["wte/embedding"] == "param"
+    from integrations.flax._shard import param_spec
+
+    assert tuple(param_spec((64, 32), ("vocab", "embed"), 2)) == ("model", None)
+    assert tuple(param_spec((64, 32), ("vocab", "embed"), 2, no_vocab.axis_rules)) == (None, None)
     assert no_vocab.traits_for(2).param_roles["blocks_0/mlp/c_fc/kernel"] == "column"
     with pytest.raises(ValueError, match="split over 'model'"):
         CostModel(graph, layers, cluster, batch_size=16, param_axes=axes, axis_rules=(("mlp", "data"),))
