@@ -6,6 +6,7 @@ from orchestrator.bench._dag import run_suite as run_dag_suite
 from orchestrator.bench._fidelity import compute_cases, fidelity_cases
 from orchestrator.bench._planner import run_suite as run_planner_suite
 from orchestrator.bench._replan import run_suite as run_replan_suite
+from orchestrator.bench._replan_live import run as run_replanner_suite
 
 __all__ = [
     "Case",
@@ -16,4 +17,5 @@ __all__ = [
     "run_dag_suite",
     "run_planner_suite",
     "run_replan_suite",
+    "run_replanner_suite",
 ]

@@ -220,6 +220,36 @@ def replan_bench(
         raise typer.Exit(code=1)
 
 
+@bench_app.command("replanner")
+def replanner_bench(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...]}.")] = False,
+) -> None:
+    """The Replanner on a real pipeline with a slowed stage (8 jax devices, minutes): the fastest slowed
+    step before the switch vs after the new plan compiled, on the CPU and wall clocks; exit 1 unless
+    after < 0.8 × before on both."""
+    from orchestrator.cli._executor import _need_devices
+
+    _need_devices(8)  # before anything imports jax
+    from orchestrator.bench import run_replanner_suite
+
+    with Console(stderr=True).status("training") as status:
+        cases = run_replanner_suite(progress=lambda what: status.update(f"training: {what}"))["cases"]
+    if as_json:
+        _print_json("cases", cases)
+    else:
+        columns = ("switch_step", "before_s", "after_s", "ratio", "limit")
+        table = _table("Replanner: a slowed stage, step time before vs after the switch", "case", (*columns, "ok"))
+        for case in cases:
+            ok = "[green]yes[/green]" if case["ok"] else "[red]no[/red]"
+            table.add_row(case["name"], *(_cell(case.get(c)) for c in columns), ok)
+        Console(width=200).print(table)
+        for case in cases:
+            if "error" in case:
+                Console().print(f"[red]{case['error']}[/red]")
+    if not all(case["ok"] for case in cases):
+        raise typer.Exit(code=1)
+
+
 @bench_app.command("executor")
 def executor(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON {cases: [...], ranking: [...]}.")] = False,

@@ -1,181 +1,42 @@
 """The Replanner on a real pipeline: a slowed stage loses layers, a one-step spike changes nothing.
 
-One run (module fixture) of a 4-layer GPT (embedding, two blocks, head) on 8 virtual devices,
-starting from an explicit plan: layers 0–1 on devices 0–3, layers 2–3 on devices 4–7. The
-slowdown is real extra work: every forward of a stage on devices 0–3 runs ``EXTRA`` more times
-(:class:`SlowDevices`, an observer of the pipeline), about 1 + EXTRA/3 times the stage's work. Timeline:
-
-    step 0            compile
-    steps 1–5         calibration
-    step SPIKE        slowdown for this step only
-    steps ONSET–…     slowdown from here on: the Replanner must switch within BOUND steps
-    switch + 1        the new plan compiles; then calibration and a few more steps
+One run (module fixture) of the scenario in :mod:`orchestrator.bench._replan_live`: a 4-layer GPT on
+8 virtual devices whose first stage is slowed by real extra work from step SPIKE (that step only)
+and from step ONSET on. These tests check what the Replanner decides and what training does across
+the switch; how much faster a step runs after it is ``orchestrator bench replanner``.
 """
 
 import itertools
-import logging
 import math
-import types
 
 import jax
 import numpy as np
 import pytest
 
-from integrations.callbacks import Callback, Replanner
+from integrations.callbacks import Replanner
 from integrations.callbacks._slowed import SlowedCosts, price, slowed_cluster, step_s, translate
-from integrations.flax import orchestrate
 from integrations.flax._shard import device_map
+from orchestrator.bench._replan_live import (
+    BATCH,
+    BOUND,
+    MICROBATCHES,
+    ONSET,
+    SPIKE,
+    THRESHOLD,
+    WINDOW,
+    run_scenario,
+    stage,
+)
 from orchestrator.costs import ParallelConfig
-from orchestrator.planner import Plan, Stage, replan
-from recipes import synthetic_batch
-from recipes._registry import Recipe
-from recipes.gpt import GPTConfig
-
-BATCH, SEQ, MICROBATCHES = 32, 32, 2
-EXTRA = 12
-# The injected slowdown makes stage 0 about 5x slower; on a 2-core machine with other work running,
-# noise alone can lift the smoothed ratio well above 1.3 before the onset, so the threshold sits
-# between the two.
-WINDOW, THRESHOLD, PATIENCE = 5, 1.6, 3
-SPIKE, ONSET = 7, 12
-BOUND = math.ceil(WINDOW / 2) + PATIENCE  # steps from the onset to the switch decision, 2 of them slack
-AFTER = WINDOW + 3  # steps run after the new plan compiled
-
-
-class SlowDevices:
-    """Fault injection: each forward of a stage using a device in ``extra`` (device id → runs) runs
-    again that many more times (the most any of its devices asks for), waited for, results
-    discarded, so the stage really does more work. Read at every dispatch: change the mapping to
-    start or stop it."""
-
-    def __init__(self, extra: dict[int, int]):
-        self.extra = extra
-
-    def on_step_begin(self, stages):
-        pass
-
-    def on_dispatch(self, dispatch):
-        pass
-
-    def on_dispatched(self, dispatch, outputs):
-        if dispatch.kind != "forward" or not self.extra:
-            return
-        for _ in range(max(self.extra.get(d.id, 0) for d in dispatch.devices)):
-            jax.block_until_ready(dispatch.fn(*dispatch.args))
-
-    def on_step_end(self):
-        pass
-
-
-def _stage(layers, devices):
-    return Stage(
-        layers=tuple(layers),
-        device_type=jax.devices()[0].device_kind,
-        devices=tuple(f"localhost/{i}" for i in devices),
-        tp=1,
-        dp=4,
-        recompute=False,
-        microbatch_size=BATCH // MICROBATCHES // 4,
-        time_s=0.0,
-        memory_bytes=0.0,
-    )
-
-
-class _LastState(Callback):
-    def on_step_end(self, step, metrics, *, state=None):
-        self.state = state
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
+from orchestrator.planner import Plan, replan
 
 
 @pytest.fixture(scope="module")
 def scenario():
-    config = GPTConfig(vocab_size=256, max_seq_len=SEQ, num_layers=2, num_heads=4, d_model=256)
-    recipe = Recipe(name="gpt-replan", config=config, batch_size=BATCH, seq_len=SEQ)
-    state = jax.jit(recipe.create_state)(jax.random.key(0))
-    batches = [synthetic_batch(jax.random.key(i), BATCH, SEQ, config.vocab_size) for i in range(4)]
-    plan = Plan(
-        stages=(_stage((0, 1), range(4)), _stage((2, 3), range(4, 8))),
-        schedule="1f1b",
-        microbatches=MICROBATCHES,
-        global_batch=BATCH,
-        iteration_s=0.0,
-    )
-    slowdown: dict[int, int] = {}
-    run = orchestrate(
-        state,
-        recipe.train_step,
-        "local",
-        batch=batches[0],
-        param_axes=recipe.param_axes(),
-        plan=plan,
-        pipeline_options={"observers": [SlowDevices(slowdown)]},
-    )
-    slowed = {d.id for d in jax.devices()[:4]}
-    # Same drift, same numbers; a one-step horizon never pays for a recompile. At most 2 stages: the
-    # planner's `local` model has no host costs (the executor bench's simulated step does), so it
-    # prices plans of more, smaller stages faster than they run here, where a step is host-bound
-    # (8 devices on 2 cores) and 3 or 4 stages take as long as the current plan.
-    options = {"window": WINDOW, "threshold": THRESHOLD, "patience": PATIENCE, "max_stages": 2}
-    cautious = Replanner(run, horizon_steps=1, **options)
-    replanner = Replanner(run, horizon_steps=200, **options)
-    last = _LastState()
-    run.callbacks.callbacks += [last, cautious, replanner]
-    records = _Records()
-    logger = logging.getLogger("orchestrator.replanner")
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    out = types.SimpleNamespace(
-        recipe=recipe, batches=batches, run=run, replanner=replanner, cautious=cautious, records=records,
-        losses=[], layers_on_slowed=[], work_on_slowed=[], switch=None, states={},
-    )  # fmt: skip
-    try:
-        for step in range(ONSET + BOUND + 2 + AFTER):
-            slowdown.clear()
-            if step == SPIKE or step >= ONSET:
-                slowdown.update(dict.fromkeys(slowed, EXTRA))
-            plan_before = run.plan
-            out.losses.append(float(run.step(batches[step % 4])["loss"]))
-            out.layers_on_slowed.append(_layers_on(run, slowed))
-            out.work_on_slowed.append(_forward_flops_on(run, slowed))
-            if out.switch is None and run.plan is not plan_before:
-                out.switch = step
-                out.states["before"] = _host(last.state)  # what the old plan's step returned
-                out.states["switched"] = _host(run.state)  # resharded onto the new plan
-            if out.switch is not None and step == out.switch + 1:
-                out.states["after"] = _host(run.state)
-            if out.switch is not None and step >= out.switch + 1 + AFTER:
-                break
-    finally:
-        logger.removeHandler(records)
-    return out
+    return run_scenario()
 
 
-def _host(tree):
-    return jax.tree.map(np.asarray, tree)
-
-
-def _layers_on(run, devices) -> int:
-    """Layers held by stages running on any of ``devices`` (jax ids)."""
-    placed = device_map(run.cluster)
-    return sum(len(s.layers) for s in run.plan.stages if {placed[r].id for r in s.devices} & devices)
-
-
-def _forward_flops_on(run, devices) -> float:
-    """Forward FLOPs of the layers held by stages on any of ``devices``: the work the slowdown repeats."""
-    placed = device_map(run.cluster)
-    held = [s for s in run.plan.stages if {placed[r].id for r in s.devices} & devices]
-    return sum(run.layers[i].forward_flops for s in held for i in s.layers)
-
-
-def test_slowed_stage_loses_layers_within_bounded_steps_and_step_time_improves(scenario):
+def test_slowed_stage_loses_layers_within_bounded_steps(scenario):
     replanner, switch = scenario.replanner, scenario.switch
     assert switch is not None, [d.message for d in replanner.decisions]
     assert ONSET + math.ceil(WINDOW / 2) - 1 <= switch <= ONSET + BOUND
@@ -193,16 +54,10 @@ def test_slowed_stage_loses_layers_within_bounded_steps_and_step_time_improves(s
     [kept] = [d for d in scenario.cautious.decisions if d.action == "keep"]
     assert kept.step == switch and kept.new_stage_layers != kept.stage_layers
     assert 0 < kept.gain_s < kept.cost_s
-    # On both clocks: the slowed steps before the switch against those after the new plan compiled.
-    # Other load on the machine only adds time, so each window's fastest step is compared.
-    for times in (replanner.step_cpu_s, replanner.step_times_s):
-        before = min(times[s] for s in range(ONSET, switch + 1))
-        after = min(times[s] for s in range(switch + 2, switch + 2 + AFTER))
-        assert after < 0.8 * before, (before, after)
     [switched] = [d for d in replanner.decisions if d.action == "switched"]
     assert switched.step == switch + 1 + WINDOW and switched.cost_s > 0
     for d in replanner.decisions:
-        assert d.message in scenario.records.messages
+        assert d.message in scenario.messages
 
 
 def test_one_step_spike_does_not_switch(scenario):
@@ -248,7 +103,7 @@ def test_slowed_devices_get_a_type_of_their_own(scenario):
     assert slow.forward_s == pytest.approx(3 * fast.forward_s) and slow.backward_s == pytest.approx(3 * fast.backward_s)
     assert slow.param_bytes == fast.param_bytes
     plan = Plan(
-        stages=(_stage((0, 1, 2, 3), range(4)),), schedule="1f1b", microbatches=1, global_batch=BATCH, iteration_s=0
+        stages=(stage((0, 1, 2, 3), range(4)),), schedule="1f1b", microbatches=1, global_batch=BATCH, iteration_s=0
     )
     base_refs = [d.ref for d in base.all_devices()]
     with pytest.raises(ValueError, match="span device types"):
@@ -262,7 +117,7 @@ def test_planner_moves_layers_off_devices_marked_slow(scenario):
     cluster, refs, slowed = slowed_cluster(base, dict.fromkeys(range(4), 4.0))
     model = SlowedCosts(base_model, cluster, slowed)
     even = Plan(
-        stages=(_stage((0, 1), range(4)), _stage((2, 3), range(4, 8))),
+        stages=(stage((0, 1), range(4)), stage((2, 3), range(4, 8))),
         schedule="1f1b",
         microbatches=MICROBATCHES,
         global_batch=BATCH,
