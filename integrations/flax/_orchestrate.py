@@ -32,7 +32,8 @@ class OrchestratedTrainState:
       step_fn: ``step_fn(state, batch) -> (state, metrics)`` (pure; ``step`` wraps it).
       callbacks: run around each ``step``.
       steps_done: number of steps run.
-      train_step, param_axes, cluster, zero: what ``step_fn`` was compiled from (``switch`` compiles again).
+      train_step, param_axes, cluster, zero, axis_rules: what ``step_fn`` was compiled from (``switch``
+        compiles again).
       pipeline_options: keyword arguments for the pipeline executor of every multi-stage plan this
         run compiles, now and after a ``switch`` (``observers``: see ``Pipeline``).
     """
@@ -52,8 +53,10 @@ class OrchestratedTrainState:
         cluster=None,
         zero: bool = False,
         pipeline_options: Mapping | None = None,
+        axis_rules=None,
     ):
         self.state, self.plan = state, plan
+        self.axis_rules = axis_rules
         self.graph, self.layers, self.cost_model = graph, layers, cost_model
         self.step_fn, self.callbacks = step_fn, callbacks
         self.train_step, self.param_axes, self.cluster, self.zero = train_step, param_axes, cluster, zero
@@ -93,13 +96,14 @@ class OrchestratedTrainState:
         cluster = cluster if cluster is not None else self.cluster
         started = time.perf_counter()
         placed = shard(
-            plan, self.state, param_axes=self.param_axes, layers=self.layers, cluster=cluster, zero=self.zero
-        )
+            plan, self.state, param_axes=self.param_axes, layers=self.layers, cluster=cluster, zero=self.zero,
+            axis_rules=self.axis_rules,
+        )  # fmt: skip
         placed = jax.block_until_ready(placed)
         seconds = time.perf_counter() - started
         self.step_fn = compile_step(
             plan, self.train_step, placed, param_axes=self.param_axes, layers=self.layers, cluster=cluster,
-            zero=self.zero, **self.pipeline_options,
+            zero=self.zero, axis_rules=self.axis_rules, **self.pipeline_options,
         )  # fmt: skip
         self.state, self.plan, self.cluster = placed, plan, cluster
         if cost_model is not None:
@@ -131,7 +135,16 @@ def global_batch_of(batch) -> int:
     return sizes.pop()
 
 
-def cost_model(train_step: Callable, state, batch, cluster, *, param_axes: Mapping | None = None, profile: bool = True):
+def cost_model(
+    train_step: Callable,
+    state,
+    batch,
+    cluster,
+    *,
+    param_axes: Mapping | None = None,
+    profile: bool = True,
+    axis_rules=None,
+):
     """The :class:`~orchestrator.costs.CostModel` of ``train_step`` on ``cluster``: captured, coarsened and,
     when planning for ``local`` with ``profile``, priced by layer times measured on the local device.
 
@@ -150,7 +163,9 @@ def cost_model(train_step: Callable, state, batch, cluster, *, param_axes: Mappi
         from integrations.flax._profile import profile_layers
 
         measured = profile_layers(train_step, abstract, spec, graph=graph, layers=layers)
-    return CostModel(graph, layers, cluster, batch_size=global_batch, param_axes=param_axes, measured=measured)
+    return CostModel(
+        graph, layers, cluster, batch_size=global_batch, param_axes=param_axes, measured=measured, axis_rules=axis_rules
+    )
 
 
 def orchestrate(
@@ -168,6 +183,7 @@ def orchestrate(
     time_limit_s: float = 10.0,
     zero: bool = False,
     pipeline_options: Mapping | None = None,
+    axis_rules=None,
 ) -> OrchestratedTrainState:
     """Capture, plan, shard and compile ``train_step`` for ``cluster``.
 
@@ -188,6 +204,9 @@ def orchestrate(
       zero: plan with ZeRO-1 and shard optimizer moments over data-parallel replicas.
       pipeline_options: keyword arguments for the pipeline executor of multi-stage plans
         (``observers``), kept for plans the run switches to.
+      axis_rules: ``(logical axis name, mesh axis or None)`` pairs saying which parameter dims tensor
+        parallelism splits, used alike to price the plan and to place the state
+        (:data:`orchestrator.costs.DEFAULT_LOGICAL_AXIS_RULES` if None).
 
     Returns:
       An :class:`OrchestratedTrainState`; call ``.step(batch)`` in the loop.
@@ -203,7 +222,7 @@ def orchestrate(
         cluster = load_cluster(cluster)
     if conductor:
         train_step = _conductor(train_step, conductor)
-    model = cost_model(train_step, state, batch, cluster, param_axes=param_axes, profile=profile)
+    model = cost_model(train_step, state, batch, cluster, param_axes=param_axes, profile=profile, axis_rules=axis_rules)
     graph, layers, global_batch = model.graph, model.layers, model.batch_size
     if plan is None:
         from orchestrator.planner import plan as make_plan
@@ -216,11 +235,12 @@ def orchestrate(
             zero=zero,
             mixed_stages=False,
         )
-    placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero)
+    placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero, axis_rules=axis_rules)
     options = dict(pipeline_options or {})
     step_fn = compile_step(
-        plan, train_step, placed, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero, **options
-    )
+        plan, train_step, placed, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero,
+        axis_rules=axis_rules, **options,
+    )  # fmt: skip
     return OrchestratedTrainState(
         state=placed,
         plan=plan,
@@ -234,4 +254,5 @@ def orchestrate(
         cluster=cluster,
         zero=zero,
         pipeline_options=options,
+        axis_rules=axis_rules,
     )
