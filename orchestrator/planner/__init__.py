@@ -1,20 +1,26 @@
 """The planner: pipeline stages, device groups, TP/DP degrees, microbatches and recompute from one ILP per (S, M).
 
-Layers inside the package, top to bottom; a module imports only from the layers below it (and
-from its own layer where the arrow says so), so the search never reaches back up:
+Layers inside the package, top to bottom; a module imports only from the layers below its own
+(modules in one layer, separated by "|", never import each other), so the search never reaches
+back up and the baselines never reach into it:
 
-1. ``_replan`` → ``_driver``: the entry points (``replan()`` re-plans through ``plan()``).
-2. ``_starts``, ``_bounds``, ``_models`` → ``_solve`` → ``_pieces``, ``_make_plan``: the steps
-   ``plan()`` composes (first incumbent; column and packing bounds; each M's model, cut into
-   pieces and solved; the returned ``Plan``).
-3. ``baselines`` (subpackage: ``_baselines`` → ``_exhaustive`` → ``_sweep``): the balanced
-   heuristic and the baselines. It stands below every search step and imports only layers 5–6.
-4. ``_polish`` → ``_rebalance``, ``_incumbent``; ``_paths``, ``_packing``, ``_workers``,
-   ``_diagnose``, ``_options``: the search's tools (local search, column and packing bounds,
-   solver threads, diagnosis, the incumbent, the tuning options).
-5. ``_space``, ``_split``, ``_migration``, ``_evaluate``: the search space and pricing a plan.
-6. ``_ilp`` → ``_closed_form``, ``_table`` → ``_groups``, ``_plan``: the model, its cost table,
-   device groups and the ``Plan`` type.
+    _replan                                            re-planning, through plan()
+    _driver                                            plan(): composes the steps below
+    _starts | _bounds | _models                        first incumbent; column and packing bounds;
+                                                       each M's model cut into pieces
+    _solve                                             the pieces' first pass and rounds
+    _pieces | _make_plan | _scope                      pieces and their certificate; the Plan;
+                                                       what every step of one search reads
+    baselines                                          the balanced heuristic and the baselines
+                                                       (inside: _baselines → _exhaustive → _sweep)
+    _polish | _paths | _packing | _workers | _diagnose | _options
+                                                       local search, column and packing LPs,
+                                                       solver threads, diagnosis, tuning options
+    _rebalance | _incumbent                            cuts for given devices; the incumbent
+    _space | _split | _migration | _evaluate           search space, chain splits, pricing a plan
+    _ilp                                               the stage ILP
+    _closed_form | _table                              the step time's closed form; the cost table
+    _groups | _plan                                    device groups; the Plan type
 
 Outside the package, only the names below are public; ``orchestrator.planner.baselines`` is
 public to the benches (its ``__all__``).

@@ -22,35 +22,26 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import MS, simple_bound_s, undominated
 from orchestrator.planner._incumbent import Best, Incumbent
-from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._packing import TOLERANCE, PackingBound
 from orchestrator.planner._paths import StageColumns
-from orchestrator.planner._space import SearchSpace
+from orchestrator.planner._scope import Scope
 from orchestrator.planner._workers import default_workers
 from orchestrator.solver import highs_available
 
 log = logging.getLogger(__name__)
 
 
-def packing_bounds(
-    space: SearchSpace,
-    candidates,
-    max_stages: int,
-    best: Best,
-    *,
-    gap: float,
-    deadline: float,
-    options: SearchOptions,
-) -> dict[int, float]:
+def packing_bounds(scope: Scope, best: Best, candidates, *, deadline: float) -> dict[int, float]:
     """{M: packing bound (s)}, never below the capacity bound: +inf where no plan of that M fits, the
-    cutoff where none is ``gap`` better than the incumbent.
+    cutoff where none is ``gap`` better than the incumbent; for ``candidates`` (some of the scope's).
 
     Two passes. First every M to ``options.coarse`` (fewest microbatches first: where memory binds
     hardest the bound is cheapest), each with an equal share of the time left; then what is left
     refines the weakest M, which is the one the certified bound reads, to the packing search's own
     tolerance: one pass to full precision spends the time on M whose bounds the certificate never
     reads and leaves the last M short. A search stopped by its share keeps the bound it reached."""
-    incumbent, cutoff_s = best.current, best.cutoff_s(gap)
+    space, max_stages, options = scope.space, scope.max_stages, scope.options
+    incumbent, cutoff_s = best.current, best.cutoff_s(scope.gap)
     found, searches = {}, {}
     for index, M in enumerate(sorted(candidates)):
         groups = undominated(
@@ -90,16 +81,7 @@ def _packing_search(
     return bound
 
 
-def column_bounds(
-    space: SearchSpace,
-    candidates,
-    max_stages: int,
-    best: Best,
-    *,
-    gap: float,
-    deadline: float,
-    options: SearchOptions,
-) -> dict[int, dict[int, float]]:
+def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dict[int, float]]:
     """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff, which
     closes the piece: the LP of every (M, S), the incumbent's M and its neighbours first, then, where
     an LP leaves its (M, S) more than ``gap`` below the incumbent, its MIP (after every LP, weakest
@@ -109,6 +91,13 @@ def column_bounds(
     A better incumbent lowers the cutoff for the MIPs running and still to run, and a MIP stopped by
     its time limit runs again, with at least ``options.retry_growth`` times its last limit, while
     time is left. Solves ``deadline`` stops leave their (M, S) out (LP) or at the LP's bound (MIP)."""
+    space, candidates, max_stages, gap, options = (
+        scope.space,
+        scope.candidates,
+        scope.max_stages,
+        scope.gap,
+        scope.options,
+    )
     found: dict[int, dict[int, float]] = {M: {} for M in candidates}
     if not highs_available():
         return found

@@ -39,6 +39,7 @@ from orchestrator.planner._models import build_pieces
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._pieces import Certificate, Piece, close_beaten
 from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound
+from orchestrator.planner._scope import Scope
 from orchestrator.planner._solve import first_pass, rounds
 from orchestrator.planner._space import DEFAULT_MICROBATCHES, SearchSpace, search_space
 from orchestrator.planner._starts import first_incumbent
@@ -140,44 +141,27 @@ def plan(
     def left() -> float:
         return time_limit_s - (time.perf_counter() - started)
 
+    scope = Scope(space=space, candidates=candidates, max_stages=max_stages, gap=gap, options=options)
+    # each step in its share of the time left: the first incumbent, the column bounds, the packing bounds
     one_stage_s = first_incumbent(
         model,
+        scope,
         best,
         global_batch=global_batch,
-        candidates=candidates,
-        max_stages=max_stages,
         recompute=recompute,
         given=start,
         started=started,
         time_limit_s=time_limit_s,
-        options=options,
     )
-    columns = column_bounds(
-        space,
-        candidates,
-        max_stages,
-        best,
-        gap=gap,
-        deadline=time.perf_counter() + options.column_share * left(),
-        options=options,
-    )
+    columns = column_bounds(scope, best, deadline=time.perf_counter() + options.column_share * left())
     # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
     # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
     complete = {M: min(b.values()) for M, b in columns.items() if len(b) == max_stages}
-    packing = packing_bounds(
-        space,
-        [M for M in candidates if M not in complete],
-        max_stages,
-        best,
-        gap=gap,
-        deadline=time.perf_counter() + options.packing_share * left(),
-        options=options,
-    )
+    open_counts = [M for M in candidates if M not in complete]
+    packing = packing_bounds(scope, best, open_counts, deadline=time.perf_counter() + options.packing_share * left())
     packing.update(complete)
     pieces = build_pieces(
-        space,
-        candidates,
-        max_stages,
+        scope,
         certificate,
         packing=packing,
         columns=columns,
@@ -185,7 +169,6 @@ def plan(
         migration=migration,
         started=started,
         time_limit_s=time_limit_s,
-        options=options,
     )
     # the search ends a little early, so the plan (devices, explanation) is built within the limit
     deadline = started + time_limit_s - min(options.finish_s, time_limit_s / 100)

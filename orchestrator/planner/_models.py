@@ -17,8 +17,8 @@ import time
 from orchestrator.planner._ilp import MS, StageModel
 from orchestrator.planner._incumbent import Best
 from orchestrator.planner._migration import Migration
-from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._pieces import Certificate, Piece
+from orchestrator.planner._scope import Scope
 from orchestrator.planner._solve import whole
 from orchestrator.planner._space import SearchSpace
 from orchestrator.solver import HighsSession, highs_available
@@ -27,9 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def build_pieces(
-    space: SearchSpace,
-    candidates: list[int],
-    max_stages: int,
+    scope: Scope,
     certificate: Certificate,
     *,
     packing: dict[int, float],
@@ -38,11 +36,11 @@ def build_pieces(
     migration: Migration | None,
     started: float,
     time_limit_s: float,
-    options: SearchOptions,
 ) -> list[Piece]:
     """The pieces of every M that may still beat the incumbent (closing the others in
     ``certificate``), from the largest M; without HiGHS each such M is solved whole instead."""
     best, gap = certificate.best, certificate.gap
+    space, candidates, max_stages, options = scope.space, scope.candidates, scope.max_stages, scope.options
     pieces: list[Piece] = []
     # how long the last model took to build; before the first, an estimate from its size
     build_s = options.build_s_per_cell * len(space.groups) * len(space.runs) * max_stages

@@ -53,8 +53,9 @@ class SearchOptions:
     bound could be; what is left then refines only the weakest M, the one the certified bound reads."""
 
     relaxation_s: float = 2.0
-    """Each M's whole-model LP relaxation gets at most this long: on wide search spaces the relaxation
-    stays below the capacity bound however long it runs, so a longer one buys nothing."""
+    """Each M's whole-model LP relaxation gets at most this long (and at most a fair share of the time
+    left): on the large presets it takes up to a few seconds and bounds the M's pieces well above the
+    capacity bound until their own solves do better; a longer one takes the time the pieces need."""
 
     tail_from: int = 5
     """Stage counts from this one on start as one tail piece per M, split into one piece per count

@@ -20,8 +20,8 @@ from orchestrator.planner._evaluate import Evaluation, evaluate
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import MS
 from orchestrator.planner._incumbent import Best, Incumbent
-from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._polish import polish
+from orchestrator.planner._scope import Scope
 from orchestrator.planner._space import SearchSpace
 
 log = logging.getLogger(__name__)
@@ -125,22 +125,21 @@ def state_overflows(table, layers: list[int], group: GroupConfig, M: int) -> boo
 
 def first_incumbent(
     model: CostModel,
+    scope: Scope,
     best: Best,
     *,
     global_batch: int,
-    candidates: list[int],
-    max_stages: int,
     recompute: bool,
     given: tuple[list[list[int]], list[GroupConfig], int] | None,
     started: float,
     time_limit_s: float,
-    options: SearchOptions,
 ) -> dict[int, float]:
     """Fill ``best`` with the first incumbent: the heuristic's, the best one-stage plan and
     ``given`` (each within ``options.start_share`` of the time limit), then polished. Returns each
     M's one-stage optimum where every group was priced (with a migration term the score is not the
     step time, so none: the one-stage pieces are then solved as the others are)."""
     space, schedule = best.space, best.schedule
+    candidates, max_stages, options = scope.candidates, scope.max_stages, scope.options
     window = started + options.start_share * time_limit_s
     start = heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute, deadline=window)
     if start is not None:
