@@ -37,7 +37,7 @@ from orchestrator.planner._driver import plan
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig, stage_group
 from orchestrator.planner._ilp import in_flight, simple_bound_s
-from orchestrator.planner._incumbent import Incumbent
+from orchestrator.planner._incumbent import Best, Incumbent
 from orchestrator.planner._make_plan import make_plan
 from orchestrator.planner._migration import Migration
 from orchestrator.planner._options import SearchOptions
@@ -130,11 +130,7 @@ def _repair(previous: Plan, model, space, settings: dict, time_limit_s: float, m
     for s in kept:
         free.subtract(stage_group(previous.stages[s]).by_type)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
-
-    def score(ev, split, groups) -> float:
-        moved = migration.step_cost_s(split, groups, space.table, keys) if migration else 0.0
-        return ev.iteration_s + moved
-
+    score = Best(space, previous.schedule, migration=migration, keys=keys).score
     replaced = _replace_lost(previous, space, kept, free, score)
     if replaced is not None:
         return replaced
