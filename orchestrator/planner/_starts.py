@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from orchestrator.cluster import Cluster
 from orchestrator.costs import CostModel
 from orchestrator.planner import baselines
-from orchestrator.planner._evaluate import Evaluation, evaluate
+from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import MS
 from orchestrator.planner._incumbent import Best, Incumbent
@@ -67,11 +67,11 @@ def heuristic(model, space, global_batch, schedule, candidates, max_stages, reco
 
 @dataclass(frozen=True, slots=True)
 class OneStage:
-    """The one-stage plans, all priced: the best (evaluation, group, M) or None when none fits, and
-    per M the least step time of any (inf where none fits); ``complete`` is False when the deadline
-    stopped the pricing, and ``least_s`` then covers only what was priced."""
+    """The one-stage plans, all priced: the best (scored by its step time) or None when none fits,
+    and per M the least step time of any (inf where none fits); ``complete`` is False when the
+    deadline stopped the pricing, and ``least_s`` then covers only what was priced."""
 
-    best: tuple[Evaluation, GroupConfig, int] | None
+    best: Incumbent | None
     least_s: dict[int, float]
     complete: bool
 
@@ -112,8 +112,8 @@ def single_stage(space: SearchSpace, candidates, schedule: str, *, deadline: flo
             if not ev.feasible:
                 continue
             least[M] = min(least[M], ev.iteration_s)
-            if found is None or ev.iteration_s < found[0].iteration_s:
-                found = (ev, group, M)
+            if found is None or ev.iteration_s < found.score:
+                found = Incumbent(ev.iteration_s, ev, [list(layers)], [group], M)
     return OneStage(found, least, complete=True)
 
 
@@ -152,10 +152,9 @@ def first_incumbent(
         )
     single = single_stage(space, candidates, schedule, deadline=window)
     if single.best is not None:
-        ev, group, M = single.best
-        stages = [list(range(space.layers))]
-        if best.keep(Incumbent(best.score(ev, stages, [group]), ev, stages, [group], M)):
-            log.debug("single stage start: %.6g ms at M=%d on %s", ev.iteration_s * MS, M, group)
+        one = single.best
+        if best.keep(one._replace(score=best.score(one.evaluation, one.stages, one.groups))):
+            log.debug("single stage start: %.6g ms at M=%d on %s", one.score * MS, one.microbatches, one.groups[0])
     if given is not None and given[2] in candidates:
         best.offer(*given)
     if best.current is not None:  # the local search around it

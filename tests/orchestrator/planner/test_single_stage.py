@@ -40,7 +40,8 @@ def test_single_stage_is_the_best_one_stage_plan(schedule):
             assert found is None, f"seed {seed}: a one-stage plan was returned where none fits"
             continue
         assert found is not None, f"seed {seed}: no one-stage plan found where {len(fitting)} fit"
-        assert found[0].iteration_s == pytest.approx(min(fitting), rel=1e-12), f"seed {seed}"
+        assert found.score == found.evaluation.iteration_s == pytest.approx(min(fitting), rel=1e-12), f"seed {seed}"
+        assert found.stages == [layers] and len(found.groups) == 1
         compared += 1
     assert compared >= 6
     assert skipped > 0, "no instance exercised the state-overflow skip"
