@@ -5,7 +5,7 @@ from integrations.flax._nnx import from_nnx
 from integrations.flax._observe import Dispatch, PipelineObserver
 from integrations.flax._orchestrate import OrchestratedTrainState, orchestrate
 from integrations.flax._pipeline import Pipeline, cut_stages
-from integrations.flax._profile import profile_layers
+from integrations.flax._profile import LayerProfiler, profile_layers
 from integrations.flax._run import DevicesLost, LoseDevices, RunConfig, RunResult, latest_checkpoint, train
 from integrations.flax._shard import shard, stage_mesh, state_shardings
 from integrations.flax._slice import SlicedStep, piece_flops
@@ -16,6 +16,7 @@ __all__ = [
     "CaptureWarning",
     "DevicesLost",
     "Dispatch",
+    "LayerProfiler",
     "LoseDevices",
     "OrchestratedTrainState",
     "Pipeline",

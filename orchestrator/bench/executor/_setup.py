@@ -100,8 +100,8 @@ def _piece_host(host: HostCosts) -> Callable[[int], float]:
 
 def _layer_profiler(su: Setup):
     """The layers of ``su``'s step, compiled for profiling at its batch and at each smaller batch
-    (:class:`~integrations.flax._profile.LayerProfiler`; never read from the disk cache)."""
-    from integrations.flax._profile import LayerProfiler
+    (:class:`~integrations.flax.LayerProfiler`; never read from the disk cache)."""
+    from integrations.flax import LayerProfiler
 
     batch, seq_len = su.batch["inputs"].shape
     abstract = su.recipe.abstract_state()
