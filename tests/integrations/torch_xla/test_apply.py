@@ -68,7 +68,8 @@ def test_checkpoint_round_trip(worker):
 
 
 def test_step_timer_times_every_step(worker):
-    times = worker["TP"]["step_times_s"]  # how the compiling steps compare is a timing claim: `orchestrator bench torch`
+    # how the compiling steps compare is a timing claim: `orchestrator bench torch`
+    times = worker["TP"]["step_times_s"]
     assert len(times) == 5 and all(t > 0 for t in times)
 
 
