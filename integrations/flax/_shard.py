@@ -160,7 +160,7 @@ def state_shardings(
     Args:
       plan: the plan; stage ``s`` runs on ``stage_mesh(plan.stages[s])``.
       state: a TrainState (arrays or ``ShapeDtypeStruct``s) or any pytree with parameters under ``params``.
-      param_axes: logical axis names by parameter path (``Recipe.param_axes()``); none → TP shards nothing.
+      param_axes: logical axis names by parameter path (:func:`param_logical_axes`); none → TP shards nothing.
       owners: parameter path → stage; required when the plan has several stages.
       cluster: resolves device refs (:func:`device_map`).
       zero: shard optimizer moments over ``"data"`` too (a stage whose plan says ``zero`` does anyway).

@@ -17,7 +17,8 @@ Every case is a dict with ``name`` and ``ok``; re-plans also carry ``warm_s``, `
 * **runtime** (``_recovery``; not in ``--quick``, skipped with ``--no-runtime``) — a SIGKILLed
   training run resumes to the uninterrupted parameters (1e-6), and a run that loses 4 of 8 devices
   re-plans, restores and ends equal to a run that switched plans at the restored step (1e-5). The
-  Replanner's evidence is ``tests/integrations/flax_execute/test_replanner.py``.
+  Replanner's correctness is checked by ``tests/integrations/flax_execute/test_replanner.py``; its
+  speed-up on a slowed stage by ``orchestrator bench replanner``.
 """
 
 from __future__ import annotations
