@@ -8,17 +8,14 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("orchestrator", "integrations", "conductor", "recipes")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
-pytestmark = pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="import-linter (the dev extra) is not installed")
-
 
 def lint_imports(root: Path) -> tuple[int, str]:
     """``lint-imports`` on the packages under ``root``, with their own pyproject.toml; (exit code, output)."""
+    assert LINT_IMPORTS.exists(), "lint-imports is missing: install the dev extra (pip install -e '.[dev]')"
     env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "200"}
     done = subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", "--no-logo", str(root / "pyproject.toml")],
