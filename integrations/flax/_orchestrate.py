@@ -168,6 +168,11 @@ def cost_model(
     )
 
 
+def _as_arrays(state):
+    """``state`` with its Python scalars as jax arrays (the leaves a jitted step returns as arrays)."""
+    return jax.tree.map(lambda x: jax.numpy.asarray(x) if isinstance(x, int | float | bool) else x, state)
+
+
 def orchestrate(
     state,
     train_step: Callable,
@@ -188,7 +193,8 @@ def orchestrate(
     """Capture, plan, shard and compile ``train_step`` for ``cluster``.
 
     Args:
-      state: the Flax ``TrainState`` (concrete arrays).
+      state: the Flax ``TrainState``; Python scalars in it (``TrainState.create`` leaves ``step`` an
+        int) become arrays, since a jitted step returns them as arrays.
       train_step: ``train_step(state, batch) -> (state, metrics)``; metrics hold ``"loss"`` (needed by pipelines).
       cluster: a :class:`~orchestrator.cluster.Cluster` or a preset name; execution needs its devices to be
         jax's devices (``"local"``).
@@ -222,6 +228,7 @@ def orchestrate(
         cluster = load_cluster(cluster)
     if conductor:
         train_step = _conductor(train_step, conductor)
+    state = _as_arrays(state)
     model = cost_model(train_step, state, batch, cluster, param_axes=param_axes, profile=profile, axis_rules=axis_rules)
     graph, layers, global_batch = model.graph, model.layers, model.batch_size
     if plan is None:

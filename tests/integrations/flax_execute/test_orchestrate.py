@@ -109,3 +109,42 @@ def test_cli_user_mistakes_exit_2_with_one_line():
     result = CliRunner().invoke(app, ["demo", "--recipe", "nope"])
     assert result.exit_code == 2
     assert "unknown recipe 'nope'" in result.output
+
+
+def test_a_plain_train_state_with_a_python_int_step_trains_as_on_one_device():
+    """``TrainState.create`` leaves ``step`` a Python int; orchestrate takes that state as it is."""
+    import jax.numpy as jnp
+    import optax
+    from flax import linen as nn
+    from flax.training.train_state import TrainState
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.relu(nn.Dense(32, name=f"layers_{i}")(x))
+            return nn.Dense(4, name="head")(x)
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    model = MLP()
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    batch = {"x": x, "y": jnp.arange(16) % 4}
+    state = TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"], tx=optax.adamw(1e-2)
+    )
+    assert isinstance(state.step, int)
+
+    run = orchestrate(state, train_step, "local", batch=batch, time_limit_s=5)
+    reference, step = state, jax.jit(train_step)
+    for _ in range(2):
+        loss = float(run.step(batch)["loss"])
+        reference, metrics = step(reference, batch)
+        np.testing.assert_allclose(loss, float(metrics["loss"]), rtol=1e-5)
+    assert int(run.state.step) == 2
