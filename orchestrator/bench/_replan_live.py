@@ -147,19 +147,24 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def run_scenario(progress: Callable[[str], None] | None = None) -> Scenario:
-    """Run the scenario of the module docstring on the local devices (at least 8 jax devices)."""
-    config = GPTConfig(vocab_size=256, max_seq_len=SEQ, num_layers=2, num_heads=4, d_model=256)
-    recipe = Recipe(name="gpt-replan", config=config, batch_size=BATCH, seq_len=SEQ)
-    state = jax.jit(recipe.create_state)(jax.random.key(0))
-    batches = [synthetic_batch(jax.random.key(i), BATCH, SEQ, config.vocab_size) for i in range(4)]
-    plan = Plan(
+def even_plan() -> Plan:
+    """The scenario's starting plan: layers 0–1 on devices 0–3, layers 2–3 on devices 4–7, 1F1B."""
+    return Plan(
         stages=(stage((0, 1), range(4)), stage((2, 3), range(4, 8))),
         schedule="1f1b",
         microbatches=MICROBATCHES,
         global_batch=BATCH,
         iteration_s=0.0,
     )
+
+
+def run_scenario(progress: Callable[[str], None] | None = None) -> Scenario:
+    """Run the scenario of the module docstring on the local devices (at least 8 jax devices)."""
+    config = GPTConfig(vocab_size=256, max_seq_len=SEQ, num_layers=2, num_heads=4, d_model=256)
+    recipe = Recipe(name="gpt-replan", config=config, batch_size=BATCH, seq_len=SEQ)
+    state = jax.jit(recipe.create_state)(jax.random.key(0))
+    batches = [synthetic_batch(jax.random.key(i), BATCH, SEQ, config.vocab_size) for i in range(4)]
+    plan = even_plan()
     slowdown: dict[int, int] = {}
     run = orchestrate(
         state,

@@ -19,11 +19,11 @@ from integrations.flax._shard import device_map
 from orchestrator.bench._replan_live import (
     BATCH,
     BOUND,
-    MICROBATCHES,
     ONSET,
     SPIKE,
     THRESHOLD,
     WINDOW,
+    even_plan,
     run_scenario,
     stage,
 )
@@ -116,14 +116,7 @@ def test_planner_moves_layers_off_devices_marked_slow(scenario):
     base = base_model.cluster
     cluster, refs, slowed = slowed_cluster(base, dict.fromkeys(range(4), 4.0))
     model = SlowedCosts(base_model, cluster, slowed)
-    even = Plan(
-        stages=(stage((0, 1), range(4)), stage((2, 3), range(4, 8))),
-        schedule="1f1b",
-        microbatches=MICROBATCHES,
-        global_batch=BATCH,
-        iteration_s=0.0,
-    )
-    current = translate(even, cluster, [d.ref for d in base.all_devices()], refs)
+    current = translate(even_plan(), cluster, [d.ref for d in base.all_devices()], refs)
     # as the Replanner does: the executor runs one device type per stage (a stage data-parallel over
     # both types, the slowed replicas taking fewer samples, is a fine plan it cannot run; unrestricted,
     # replan chose one in 1 of 3 runs here and in CI)
