@@ -14,7 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.cluster._model import Cluster, DeviceType, Host, Link
-from orchestrator.cluster._spec import ClusterSpec, LinkSpec
+from orchestrator.cluster._spec import MAX_DEVICES, ClusterSpec, LinkSpec
 
 
 class ClusterError(ValueError):
@@ -75,6 +75,10 @@ def cluster_from_spec(spec: ClusterSpec, source: str = "cluster") -> Cluster:
             bandwidth_bytes_per_s=override.bandwidth_gbps * 1e9, latency_s=override.latency_us * 1e-6
         )
     counts = {h.name: h.count for h in spec.hosts}
+    if sum(counts.values()) > MAX_DEVICES:
+        raise ClusterError(
+            f"{source}: hosts: {sum(counts.values())} devices in all; the largest cluster accepted has {MAX_DEVICES}"
+        )
     for i, ref in enumerate(spec.unavailable):
         host, _, index = ref.partition("/")
         if host not in counts or not index.isdigit() or int(index) >= counts[host]:
@@ -128,6 +132,20 @@ def parse_cluster(data: object, source: str = "cluster") -> Cluster:
     return cluster_from_spec(spec, source)
 
 
+def read_text(path: Path, what: str, error: type[Exception]) -> str:
+    """The UTF-8 text of the file ``path``, or ``error`` with one line saying why it cannot be read as ``what``."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise error(f"{path} is a directory; expected {what}") from None
+    except UnicodeDecodeError as decode:
+        raise error(f"{path} is not UTF-8 text (byte {decode.start}); expected {what}") from None
+    except (OSError, ValueError) as other:
+        raise error(f"{path}: cannot read it ({getattr(other, 'strerror', None) or other})") from None
+
+
 def load_cluster(name_or_path: str | Path) -> Cluster:
     """A cluster from a preset name (see :func:`preset_names`), a YAML file, or ``"local"``.
 
@@ -144,17 +162,19 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
 
         return local_cluster()
     path = Path(text)
-    if not path.suffix and not path.exists():
+    try:
+        exists = path.exists()
+    except (OSError, ValueError):  # a name too long for the file system, or with a NUL byte
+        exists = False
+    if not path.suffix and not exists:
         preset = resources.files("orchestrator.cluster") / "presets" / f"{text}.yaml"
-        if not preset.is_file():
+        if "/" in text or "\0" in text or not preset.is_file():
             raise ClusterError(
                 f"unknown cluster preset {text!r}; presets: {', '.join(preset_names())}, or a YAML file path"
             )
         source, raw = f"preset {text}", preset.read_text()
     else:
-        if not path.is_file():
-            raise ClusterError(f"{text}: no such file")
-        source, raw = str(path), path.read_text()
+        source, raw = str(path), read_text(path, "a cluster YAML file", ClusterError)
     try:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as error:

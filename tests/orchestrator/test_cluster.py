@@ -133,6 +133,38 @@ BAD = {
     ),
     "no inter-rack link": (lambda d: d["network"].pop("cluster"), "network.cluster: required"),
     "no device types": (lambda d: d.update(device_types={}), "device_types: Dictionary should have at least 1 item"),
+    "infinite bandwidth": (
+        lambda d: d["hosts"][0]["intra_link"].update(bandwidth_gbps=float("inf")),
+        "hosts[0].intra_link.bandwidth_gbps: Input should be a finite number",
+    ),
+    "nan latency": (
+        lambda d: d["network"]["rack"].update(latency_us=float("nan")),
+        "network.rack.latency_us: Input should be a finite number",
+    ),
+    "infinite peak": (
+        lambda d: d["device_types"]["a100"]["peak_tflops"].update(float32=float("inf")),
+        "device_types.a100.peak_tflops.float32: Input should be a finite number",
+    ),
+    "only an int8 peak": (
+        lambda d: d["device_types"]["a100"].update(peak_tflops={"int8": 624}),
+        "device_types.a100.peak_tflops: Value error, needs a floating-point peak",
+    ),
+    "absurd device count": (
+        lambda d: d["hosts"][0].update(count=10**30),
+        "hosts[0].count: Input should be less than or equal to 128",
+    ),
+    "ten million devices on a host": (
+        lambda d: d["hosts"][0].update(count=10_000_000),
+        "hosts[0].count: Input should be less than or equal to 128",
+    ),
+    "too many devices in all": (
+        lambda d: d.update(hosts=[{**d["hosts"][0], "name": f"h{i}", "count": 128} for i in range(513)]),
+        "hosts: 65664 devices in all; the largest cluster accepted has 65536",
+    ),
+    "absurd memory": (
+        lambda d: d["device_types"]["a100"].update(memory_bytes=10**30),
+        "device_types.a100.memory_bytes: Input should be less than or equal to 1125899906842624",
+    ),
 }
 
 
@@ -165,6 +197,22 @@ def test_not_yaml_and_not_a_mapping(tmp_path):
         load_cluster(tmp_path / "missing.yaml")
     with pytest.raises(ClusterError, match="unknown cluster preset 'a100x9'"):
         load_cluster("a100x9")
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda p: p.write_bytes(b"name: x\xff\xfe\n"), "is not UTF-8 text (byte 7); expected a cluster YAML file"),
+        (lambda p: p.mkdir(), "is a directory; expected a cluster YAML file"),
+    ],
+    ids=["non-UTF-8 bytes", "a directory"],
+)
+def test_unreadable_cluster_files_are_one_line(tmp_path, make, expected):
+    path = tmp_path / "c.yaml"
+    make(path)
+    result = CliRunner().invoke(app, ["cluster", "show", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {path} {expected}"
 
 
 def test_cluster_show_prints_the_preset():
