@@ -11,12 +11,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli._common import fail, recipe_or_fail, si
+from orchestrator.cli._common import MAX_GLOBAL_BATCH, recipe_or_fail, seq_or_fail, si
 
 
 def graph_command(
     recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small, gpt-tiny, mamba-130m.")] = "gpt2-small",
-    batch_size: Annotated[int | None, typer.Option(min=1, help="Batch size (default: the recipe's).")] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Batch size (default: the recipe's).")
+    ] = None,
     seq_len: Annotated[int | None, typer.Option(min=1, help="Sequence length (default: the recipe's).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     xla: Annotated[bool, typer.Option(help="Also compile the step and report XLA's own FLOP count.")] = True,
@@ -26,10 +28,7 @@ def graph_command(
     from orchestrator.coarsen import coarsen
 
     spec = recipe_or_fail(recipe)
-    seq_len = seq_len or spec.seq_len
-    max_seq = getattr(spec.config, "max_seq_len", None)
-    if max_seq is not None and seq_len > max_seq:
-        fail(f"--seq-len {seq_len} exceeds {recipe}'s max_seq_len {max_seq}; pass --seq-len {max_seq} or less")
+    seq_len = seq_or_fail(spec, seq_len, "--seq-len")
     state = spec.abstract_state()
     batch = spec.batch_spec(batch_size, seq_len)
     console = Console(stderr=True)

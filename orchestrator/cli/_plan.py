@@ -10,17 +10,31 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from orchestrator.cli._common import cluster_or_fail, fail, recipe_cost_model, recipe_or_fail
+from orchestrator.cli._common import (
+    MAX_GLOBAL_BATCH,
+    MAX_SEQ,
+    MAX_STAGES,
+    MAX_TIME_LIMIT_S,
+    cluster_or_fail,
+    fail,
+    recipe_cost_model,
+    recipe_or_fail,
+    seq_or_fail,
+)
 
 
 def plan_command(
     recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small.")] = "gpt2-small",
     cluster: Annotated[str, typer.Option(help="Cluster preset or YAML file.")] = "a100x8",
-    batch: Annotated[int, typer.Option(min=1, help="Global batch (samples per step).")] = 64,
-    seq: Annotated[int | None, typer.Option(min=1, help="Sequence length (default: the recipe's).")] = None,
+    batch: Annotated[int, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Global batch (samples per step).")] = 64,
+    seq: Annotated[
+        int | None, typer.Option(min=1, max=MAX_SEQ, help="Sequence length (default: the recipe's).")
+    ] = None,
     schedule: Annotated[str, typer.Option(help="1f1b or gpipe.")] = "1f1b",
-    max_stages: Annotated[int, typer.Option(min=1, help="Largest number of pipeline stages to consider.")] = 4,
-    time_limit_s: Annotated[float, typer.Option(min=0.1, help="Solver time budget.")] = 60.0,
+    max_stages: Annotated[
+        int, typer.Option(min=1, max=MAX_STAGES, help="Largest number of pipeline stages to consider.")
+    ] = 4,
+    time_limit_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="Solver time budget.")] = 60.0,
     zero: Annotated[
         bool, typer.Option(help="ZeRO-1: shard optimizer state over each stage's data-parallel replicas.")
     ] = False,
@@ -34,6 +48,7 @@ def plan_command(
     from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
 
     spec = recipe_or_fail(recipe)
+    seq_or_fail(spec, seq)
     if schedule not in ("1f1b", "gpipe"):
         fail(f"--schedule must be 1f1b or gpipe, got {schedule!r}")
     spec_cluster = cluster_or_fail(cluster)
@@ -50,7 +65,11 @@ def plan_command(
             )
         except (PlanInfeasible, PlanNotFound) as error:
             fail(str(error))
-    result = dataclasses.replace(result, source={"recipe": recipe, "cluster": cluster, "seq": seq})
+    from orchestrator.cluster import cluster_to_dict
+
+    # the cluster travels in the plan, so simulate, report and train --plan read it from any directory
+    source = {"recipe": recipe, "cluster": cluster, "seq": seq, "cluster_spec": cluster_to_dict(spec_cluster)}
+    result = dataclasses.replace(result, source=source)
     if output:
         result.save(output)
     if trace:

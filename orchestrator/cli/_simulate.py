@@ -1,9 +1,10 @@
 """``orchestrator simulate PLAN.json`` and ``orchestrator report PLAN.json --html out.html``.
 
-A plan file holds stage times but not the model it was made for; pass the
-same ``--recipe``/``--cluster`` (and ``--seq``) as to ``orchestrator plan`` to
-simulate with the cost model (transfers in bytes over the real links, memory
-in bytes). Without them the simulation runs from the plan's own numbers.
+A plan written by ``orchestrator plan`` names its recipe and sequence length and embeds
+its cluster, so it is simulated with its cost model (transfers in bytes over the real
+links, memory in bytes) from any directory. For a plan without them, pass the same
+``--recipe``/``--cluster`` (and ``--seq``) as to ``orchestrator plan``; without those the
+simulation runs from the plan's own numbers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli._common import cluster_or_fail, fail, recipe_cost_model, recipe_or_fail
+from orchestrator.cli._common import (
+    cluster_or_fail,
+    fail,
+    plan_or_fail,
+    plan_source_or_fail,
+    recipe_cost_model,
+    recipe_or_fail,
+    seq_or_fail,
+)
 
 PlanFile = Annotated[str, typer.Argument(help="A plan written by 'orchestrator plan --out PLAN.json'.")]
 Recipe = Annotated[
@@ -36,40 +45,33 @@ NoSyncOverlap = Annotated[
 ]
 
 
-def _load(path: str):
-    from orchestrator.planner import Plan
-
-    try:
-        return Plan.load(path)
-    except FileNotFoundError:
-        fail(f"no plan file {path!r}; write one with 'orchestrator plan ... --out {path}'")
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        fail(f"{path} is not JSON ({error}); pass a file written by 'orchestrator plan --out'")
-    except (TypeError, KeyError, AttributeError) as error:
-        fail(f"{path} is not a plan file ({error}); pass a file written by 'orchestrator plan --out'")
-
-
 def _model(recipe: str | None, cluster: str | None, seq: int | None):
     """The cost model ``orchestrator plan`` builds for (recipe, cluster), or None when neither is given."""
     if recipe is None and cluster is None:
         return None
     if recipe is None or cluster is None:
         fail("--recipe and --cluster go together (the ones the plan was made with)")
+    return _capture(recipe_or_fail(recipe), cluster_or_fail(cluster), seq)
+
+
+def _capture(spec, cluster, seq: int | None):
     from rich.console import Console
 
-    spec, spec_cluster = recipe_or_fail(recipe), cluster_or_fail(cluster)
-    with Console(stderr=True).status(f"capturing {recipe} for its cost model"):
-        return recipe_cost_model(spec, spec_cluster, seq)
+    seq_or_fail(spec, seq)
+    with Console(stderr=True).status(f"capturing {spec.name} for its cost model"):
+        return recipe_cost_model(spec, cluster, seq)
 
 
 def _simulate(plan_file: str, recipe, cluster, seq, blocking_p2p: bool, no_sync_overlap: bool):
     from orchestrator.simulate import simulate
 
-    plan = _load(plan_file)
+    plan = plan_or_fail(plan_file)
     if recipe is None and cluster is None and plan.source.get("recipe") and plan.source.get("cluster"):
-        recipe, cluster = plan.source["recipe"], plan.source["cluster"]
-        seq = seq or plan.source.get("seq")
-    model = _model(recipe, cluster, seq)
+        # the plan names what it was made for; its cluster travels in the file, so any directory will do
+        source = plan_source_or_fail(plan, plan_file)
+        model = _capture(recipe_or_fail(source.recipe), source.cluster, seq or source.seq)
+    else:
+        model = _model(recipe, cluster, seq)
     try:
         timeline = simulate(plan, model, overlap_p2p=not blocking_p2p, overlap_dp_sync=not no_sync_overlap)
     except ValueError as error:

@@ -6,7 +6,7 @@
 {'a100': 16, 'v100': 16}
 """
 
-from orchestrator.cluster._load import ClusterError, load_cluster, parse_cluster, preset_names
+from orchestrator.cluster._load import ClusterError, cluster_to_dict, load_cluster, parse_cluster, preset_names
 from orchestrator.cluster._model import LEVELS, Cluster, Device, DeviceType, Host, Level, Link
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "Host",
     "Level",
     "Link",
+    "cluster_to_dict",
     "load_cluster",
     "parse_cluster",
     "preset_names",

@@ -122,6 +122,65 @@ def cluster_from_spec(spec: ClusterSpec, source: str = "cluster") -> Cluster:
     )
 
 
+def _figure(value: float) -> float:
+    """``value`` rounded to 12 significant digits, so a unit conversion there and back reads as written."""
+    return float(f"{value:.12g}")
+
+
+def _link_spec(link: Link) -> dict:
+    return {"bandwidth_gbps": _figure(link.bandwidth_bytes_per_s / 1e9), "latency_us": _figure(link.latency_s * 1e6)}
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    """The cluster as the mapping a cluster YAML file holds: :func:`parse_cluster` reads it back.
+
+    A plan embeds it, so the plan can be simulated, reported and run wherever its file goes.
+
+    Example:
+      >>> cluster = load_cluster("mixed-a100-v100")
+      >>> parse_cluster(cluster_to_dict(cluster)) == cluster
+      True
+    """
+    network: dict = {}
+    if cluster.rack_link is not None:
+        network["rack"] = _link_spec(cluster.rack_link)
+    if cluster.cluster_link is not None:
+        network["cluster"] = _link_spec(cluster.cluster_link)
+    if cluster.overrides:
+        network["overrides"] = [
+            {"between": sorted(pair) * (2 if len(pair) == 1 else 1), **_link_spec(link)}
+            for pair, link in cluster.overrides.items()
+        ]
+    data: dict = {
+        "name": cluster.name,
+        "device_types": {
+            name: {
+                "peak_tflops": {dtype: _figure(flops / 1e12) for dtype, flops in dt.peak_flops.items()},
+                "memory_bytes": int(dt.memory_bytes),
+                "memory_bandwidth_gbps": _figure(dt.memory_bandwidth_bytes_per_s / 1e9),
+                **({} if dt.cache_bytes is None else {"cache_bytes": int(dt.cache_bytes)}),
+            }
+            for name, dt in cluster.device_types.items()
+        },
+        "hosts": [
+            {
+                "name": h.name,
+                "device_type": h.device_type,
+                "count": h.count,
+                "rack": h.rack,
+                "intra_link": _link_spec(h.intra_link),
+                "threads_per_device": h.threads_per_device,
+            }
+            for h in cluster.hosts
+        ],
+        "network": network,
+        "unavailable": sorted(cluster.unavailable),
+    }
+    if cluster.shared_cores is not None:
+        data["shared_cores"] = cluster.shared_cores
+    return data
+
+
 def parse_cluster(data: object, source: str = "cluster") -> Cluster:
     if not isinstance(data, dict):
         raise ClusterError(f"{source}: (top level): expected a mapping with name, device_types and hosts")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -86,8 +87,9 @@ class Plan:
       iteration_s: predicted step time; ``breakdown`` splits it.
       solver, status, objective, bound, gap, solve_s: how the plan was found.
       notes: which constraints bind and why each stage sits where it does.
-      source: what the plan was made for, when known (``recipe``, ``cluster``, ``seq``), so
-        ``orchestrator simulate`` and ``report`` can rebuild its cost model.
+      source: what the plan was made for, when known (``recipe``, ``cluster``, ``seq``, and
+        ``cluster_spec``, the cluster itself as its YAML mapping), so ``orchestrator simulate``,
+        ``report`` and ``train --plan`` can rebuild its cost model from any directory.
     """
 
     stages: tuple[Stage, ...]
@@ -134,7 +136,7 @@ class Plan:
             )
             for s in data["stages"]
         )
-        return cls(**{**data, "stages": stages, "notes": tuple(data.get("notes", ()))})
+        return _checked(cls(**{**data, "stages": stages, "notes": tuple(data.get("notes", ()))}))
 
     def explain(self) -> str:
         """A table of the stages and the predicted step time, as text (rich renders it)."""
@@ -187,3 +189,50 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _count(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _amount(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _checked(plan: Plan) -> Plan:
+    """``plan`` if every field read from JSON is what a plan can hold, else ValueError naming the field.
+
+    JSON carries no types, and Python's parser reads ``Infinity`` and ``NaN``: a plan file edited by hand
+    or cut short must fail here, in one line, not as a step time of nan or a mesh of 2.5 devices.
+    """
+    if plan.schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule must be gpipe or 1f1b, got {plan.schedule!r}")
+    _count(plan.microbatches, "microbatches")
+    _count(plan.global_batch, "global_batch")
+    for name in ("iteration_s", "objective", "bound", "gap", "solve_s"):
+        _amount(getattr(plan, name), name)
+    if not isinstance(plan.breakdown, dict) or not isinstance(plan.source, dict):
+        raise ValueError("breakdown and source must be JSON objects")
+    for key, value in plan.breakdown.items():
+        _amount(value, f"breakdown.{key}")
+    if not plan.stages:
+        raise ValueError("stages: a plan has at least one stage")
+    seen: set[str] = set()
+    for i, stage in enumerate(plan.stages):
+        where = f"stages[{i}]"
+        for name in ("tp", "dp", "microbatch_size"):
+            _count(getattr(stage, name), f"{where}.{name}")
+        for name in ("time_s", "memory_bytes", "forward_s", "send_s", "dp_sync_s", "optimizer_s"):
+            _amount(getattr(stage, name), f"{where}.{name}")
+        if not stage.layers or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in stage.layers):
+            raise ValueError(f"{where}.layers must be a non-empty list of layer indices, got {list(stage.layers)!r}")
+        if not all(isinstance(ref, str) for ref in stage.devices) or len(stage.devices) != stage.tp * stage.dp:
+            raise ValueError(
+                f"{where}.devices must be tp·dp = {stage.tp * stage.dp} device refs, got {len(stage.devices)}"
+            )
+        if seen & set(stage.devices) or len(set(stage.devices)) != len(stage.devices):
+            raise ValueError(f"{where}.devices: a device appears twice in the plan")
+        seen |= set(stage.devices)
+    return plan
