@@ -13,7 +13,9 @@ torch module and optimizer with ``torch.distributed.checkpoint``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -48,6 +50,9 @@ class CheckpointStore(Protocol):
     def close(self) -> None:
         """Release the store's resources."""
 
+    def set_aside(self, step: int) -> None:
+        """Move checkpoint ``step`` out of the way (optional): it no longer counts, is never read or overwritten."""
+
 
 class OrbaxStore:
     """A JAX state's checkpoints with orbax, the last ``keep`` kept, written in the background if ``async_save``."""
@@ -61,7 +66,8 @@ class OrbaxStore:
             raise ValueError(f"Checkpointer needs keep >= 1, got keep={keep}")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with _quiet_absl():  # it reads each checkpoint's metadata; a bad one is reported when restored
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state) -> None:
         import orbax.checkpoint as ocp
@@ -70,7 +76,8 @@ class OrbaxStore:
         self.manager.save(step, args=ocp.args.StandardSave(serialization.to_state_dict(state)))
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        with _quiet_absl():
+            return sorted(self.manager.all_steps())
 
     def restore(self, step: int, target):
         import jax
@@ -89,6 +96,16 @@ class OrbaxStore:
 
     def close(self) -> None:
         self.manager.close()
+
+    def set_aside(self, step: int) -> None:
+        """Rename checkpoint ``step`` to ``<step>.unreadable`` (orbax ignores names that are not numbers)."""
+        path = self.directory / str(step)
+        target, n = path.with_name(f"{step}.unreadable"), 1
+        while target.exists():
+            target, n = path.with_name(f"{step}.unreadable-{n}"), n + 1
+        path.rename(target)
+        with _quiet_absl():
+            self.manager.reload()
 
 
 class Checkpointer(Callback):
@@ -183,5 +200,43 @@ class Checkpointer(Callback):
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (found steps {available})")
         return self.store.restore(step, target)
 
+    def restore_newest(self, target=None, *, report: Callable[[str], None] | None = None) -> tuple[object, int] | None:
+        """(the newest checkpoint that reads back into ``target``, its step), or None if none does.
+
+        A checkpoint whose files are cut short or garbled (a host that died mid-write after the rename, a
+        disk that lost blocks) is reported in one line through ``report``, set aside (the store renames it,
+        so it is never read or overwritten again), and the previous kept checkpoint is tried.
+
+        Raises:
+          NotImplementedError: a checkpoint does not read back and the store cannot set it aside.
+        """
+        self.wait()
+        for step in reversed(self.steps()):
+            try:
+                with _quiet_absl():
+                    return self.store.restore(step, target), step
+            except (ValueError, OSError, KeyError) as error:  # json, tensorstore and file errors of bad bytes
+                if not hasattr(self.store, "set_aside"):
+                    raise NotImplementedError(f"checkpoint {step} does not read back: {error}") from error
+                reason = " ".join(str(error).split())[:160]
+                self.store.set_aside(step)
+                older = [s for s in self.steps() if s < step]
+                then = f"using checkpoint {older[-1]}" if older else "no older checkpoint is kept"
+                (report or (lambda line: None))(f"checkpoint {step} does not read back ({reason}); {then}")
+        return None
+
     def close(self) -> None:
         self.store.close()
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Silence absl's ERROR lines while a checkpoint is tried: orbax logs each bad file it meets, and the
+    one-line report of :meth:`Checkpointer.restore_newest` says it once."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

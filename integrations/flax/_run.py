@@ -19,6 +19,8 @@ Decisions:
 * **``state.step`` is the truth.** Checkpoint k holds the state after step k; resuming reads the
   latest one and continues at ``state.step`` (checked to be k + 1). With no checkpoint the run
   starts again from ``init_state``, a pure function too, so no checkpoint of step −1 is written.
+  A checkpoint that does not read back (files cut short) is reported in one line, renamed
+  ``<k>.unreadable``, and the previous kept one is restored; the steps after it run again.
 * **Restoring reshards**: zeros shaped like the state are placed under the plan being executed
   (:func:`~integrations.flax.orchestrate`) and the checkpoint is read into their shardings, so
   parameters and optimizer state land on the new plan's meshes whatever plan wrote them.
@@ -218,7 +220,7 @@ def latest_checkpoint(run_dir: str | Path) -> int | None:
         return None
     checkpoints = Checkpointer(directory)
     try:
-        return checkpoints.manager.latest_step()
+        return checkpoints.latest_step()
     finally:
         checkpoints.close()
 
@@ -287,18 +289,24 @@ def _replan(previous, cost_model, config: RunConfig, global_batch: int):
     return plan(cost_model, **options) if previous is None else replan(previous, cost_model, **options)
 
 
-def _restore(checkpoints: Checkpointer, placed, latest: int | None) -> tuple[object, int]:
-    """(checkpoint ``latest`` read into ``placed``'s shardings, the next step); ``placed`` and 0 if None.
+def _restore(checkpoints: Checkpointer, placed, latest: int | None, say: Callable[[str], None]) -> tuple[object, int]:
+    """(the newest readable checkpoint read into ``placed``'s shardings, the next step); ``placed`` and 0 if
+    there is no checkpoint (``latest`` None).
+
+    A checkpoint that does not read back is reported through ``say`` and the previous kept one is used.
 
     Raises:
-      ValueError: the checkpoint's ``state.step`` is not its step number + 1.
+      ValueError: no kept checkpoint reads back, or one's ``state.step`` is not its step number + 1.
     """
     if latest is None:
         return placed, 0
-    state = checkpoints.restore(placed, step=latest)
+    found = checkpoints.restore_newest(placed, report=say)
+    if found is None:
+        raise ValueError(f"no checkpoint in {checkpoints.directory} reads back; start the run again in a new directory")
+    state, step = found
     next_step = int(jax.device_get(state.step))
-    if next_step != latest + 1:
-        raise ValueError(f"checkpoint {latest} holds state.step {next_step}, expected {latest + 1}")
+    if next_step != step + 1:
+        raise ValueError(f"checkpoint {step} holds state.step {next_step}, expected {step + 1}")
     return state, next_step
 
 
@@ -339,7 +347,8 @@ def train(
 
     Raises:
       FileNotFoundError: no run.json in ``run_dir``.
-      ValueError: the latest checkpoint is past ``config.steps``, or does not hold its step.
+      ValueError: the latest checkpoint is past ``config.steps``, does not hold its step, or no kept
+        checkpoint reads back.
       orchestrator.planner.PlanInfeasible, PlanNotFound: no plan for the devices left.
 
     Example:
@@ -371,7 +380,7 @@ def train(
     try:
         while True:
             t0 = time.perf_counter()
-            run, next_step = _place(model, config, cluster, [*callbacks, checkpoints], checkpoints)
+            run, next_step = _place(model, config, cluster, [*callbacks, checkpoints], checkpoints, say)
             if config.plan is None:
                 config = dataclasses.replace(config, plan=run.plan)
                 config.save(run_dir)
@@ -409,15 +418,15 @@ def train(
     )
 
 
-def _place(model: _Model, config: RunConfig, cluster, callbacks: list[Callback], checkpoints: Checkpointer):
+def _place(model: _Model, config: RunConfig, cluster, callbacks: list[Callback], checkpoints: Checkpointer, say):
     """(the step compiled and the state placed per ``config.plan`` — planned if None —, the next step).
 
-    The state is the latest checkpoint read into the plan's shardings, or the initial state.
+    The state is the newest readable checkpoint read into the plan's shardings, or the initial state.
     """
     from integrations.flax._orchestrate import orchestrate
 
     checkpoints.wait()
-    latest = checkpoints.manager.latest_step()
+    latest = checkpoints.latest_step()
     run = orchestrate(
         # with a checkpoint to restore, the placed values are overwritten: skip initialising them
         model.placeholder_state() if latest is not None else model.init_state(),
@@ -429,7 +438,7 @@ def _place(model: _Model, config: RunConfig, cluster, callbacks: list[Callback],
         callbacks=callbacks,
         time_limit_s=config.time_limit_s,
     )
-    run.state, next_step = _restore(checkpoints, run.state, latest)
+    run.state, next_step = _restore(checkpoints, run.state, latest, say)
     if next_step > config.steps:
         raise ValueError(f"the run is at step {next_step}, past its {config.steps} steps")
     run.steps_done = next_step  # callbacks (the checkpointer) see global step numbers
@@ -443,7 +452,7 @@ def _recover(run, error: DevicesLost, config: RunConfig, cluster, checkpoints: C
     plan = _replan(run.plan, cost_model, config, global_batch)
     replan_s = time.perf_counter() - started
     checkpoints.wait()
-    latest = checkpoints.manager.latest_step()
+    latest = checkpoints.latest_step()
     config = dataclasses.replace(config, unavailable=tuple(sorted(cluster.unavailable)), plan=plan)
     recovery = Recovery(
         failed_step=run.steps_done,  # not counted: the step raised before it ended

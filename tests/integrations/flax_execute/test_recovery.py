@@ -139,3 +139,24 @@ def test_resume_and_train_errors_are_one_line(tmp_path):
     (tmp_path / "run.json").write_text("{not json")
     one_line_error(["resume", str(tmp_path)], "not a run configuration")
     one_line_error(["train", "--run-dir", str(tmp_path)], "already holds a run")
+
+
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one(killed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run["run_dir"], run_dir)
+    latest, previous = KILL_STEPS - 1, KILL_STEPS - 1 - KILL_EVERY
+    uninterrupted = read_checkpoint(run_dir, latest)
+    for path in (run_dir / "ckpt" / str(latest)).rglob("*"):
+        if path.is_file():
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    result = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    [report] = [line for line in result.output.splitlines() if "does not read back" in line]
+    assert report.startswith(f"checkpoint {latest} does not read back") and f"using checkpoint {previous}" in report
+    assert f"resumed from checkpoint {previous} at step {previous + 1}" in result.stdout
+    assert (run_dir / "ckpt" / f"{latest}.unreadable").is_dir()
+    final = read_checkpoint(run_dir, latest)
+    assert int(final.step) == KILL_STEPS
+    assert max_diff(final.params, uninterrupted.params) <= 1e-6
+    assert max_diff(final.opt_state, uninterrupted.opt_state) <= 1e-6
