@@ -4,23 +4,30 @@ This is the roadmap's "clustering variable reduction": the planner's variables
 scale with layers — and its cost tables with *distinct* layers — not with ops.
 
 Grouping by module scope:
-  1. The *unit* of a forward or backward op is the first scope component below
-     the scope all forward ops share (``GPT/blocks_3/attn/c_attn`` → ``blocks_3``).
-  2. Units are ordered by their first forward op. Units named ``<prefix>_<n>``
-     or ``<prefix>_<n>_<rest>``, where ``<prefix>`` occurs with at least two
-     numbers ``n``, are *repeated blocks*: all units of one ``<prefix>_<n>``
-     form one layer (``res_0_norm``, ``res_0_up`` → ``res_0``). When a model
-     has blocks, each run of other units between them merges into one layer
-     (``wte`` + ``wpe`` before the blocks, ``ln_f`` + ``wte.attend`` after);
-     when it has none, every unit is a layer.
-  3. Ops without a unit (loss, glue at the root scope, the optimizer update)
-     join the layer of the producer they read the most bytes from, or failing
-     that, of the consumer they feed the most bytes to. An optimizer update
-     thereby lands in the layer whose gradient it reads.
+  1. *Repeated blocks* are found at any depth below the scope all forward ops
+     share: a scope whose children are named ``<prefix>_<n>`` or
+     ``<prefix>_<n>_<rest>``, with at least two numbers ``n`` for one
+     ``<prefix>``, holds a family of blocks (``transformer/h_3``,
+     ``encoder/layers_7``, ``layers_3``); all children of one ``<prefix>_<n>``
+     form one block (``res_0_norm``, ``res_0_up`` → ``res_0``). Families
+     nested inside a block of another family are part of that block.
+  2. The *unit* of a forward or backward op is its block, or else its scope cut
+     one component below the deepest scope that holds or encloses a family
+     (``transformer/wte``, ``lm_head``); without families, the first component
+     below the shared scope (``GPT/blocks_3/attn/c_attn`` → ``blocks_3``).
+  3. Units are ordered by their first forward op. When a model has blocks,
+     each block is a layer and each run of other units between them merges
+     into one layer (``wte`` + ``wpe`` before the blocks, ``ln_f`` +
+     ``wte.attend`` after); when it has none, every unit is a layer.
+  4. Ops without a unit (loss, glue at the root scope or at a scope enclosing
+     a family, the optimizer update) join the layer of the producer they read
+     the most bytes from, or failing that, of the consumer they feed the most
+     bytes to. An optimizer update thereby lands in the layer whose gradient
+     it reads.
 
 Fallback for graphs without module scopes (fewer than two units): forward ops
 in topological order are cut into contiguous groups of about equal FLOPs;
-backward and optimizer ops then follow rule 3.
+backward and optimizer ops then follow rule 4.
 """
 
 from __future__ import annotations
@@ -56,12 +63,12 @@ def coarsen(graph: OpGraph, *, fallback_layers: int = 8, by_scope: bool = True) 
     """
     if len(graph) == 0:
         raise ValueError("cannot coarsen an empty op-graph")
-    root, units = _scope_units(graph)
+    root, units, block_of = _scope_units(graph)
     ordered_units = list(
         dict.fromkeys(u for op, u in units.items() if u is not None and graph.op(op).phase == "forward")
     )
     if by_scope and len(ordered_units) >= 2:
-        names, layer_of_unit = _group_units(ordered_units)
+        names, layer_of_unit = _group_units(ordered_units, block_of)
         names = [f"{root}/{name}" if root else name for name in names]
         assignment = {op: layer_of_unit[u] for op, u in units.items() if u in layer_of_unit}
     else:
@@ -71,8 +78,8 @@ def coarsen(graph: OpGraph, *, fallback_layers: int = 8, by_scope: bool = True) 
     return _build(graph, assignment, names, scoped)
 
 
-def _scope_units(graph: OpGraph) -> tuple[str, dict[str, str | None]]:
-    """The shared root scope, and each op's unit below it (None if it has none)."""
+def _scope_units(graph: OpGraph) -> tuple[str, dict[str, str | None], dict[str, str | None]]:
+    """The shared root scope, each op's unit below it (None if it has none), and each unit's block."""
     forward_scopes = [op.scope.split("/") for op in graph.ops() if op.phase == "forward" and op.scope]
     root: list[str] = []
     if forward_scopes:
@@ -83,14 +90,20 @@ def _scope_units(graph: OpGraph) -> tuple[str, dict[str, str | None]]:
         # Keep one component below the root for every scope that has one.
         if all(len(s) == len(root) for s in forward_scopes) and root:
             root = root[:-1]
+    families = _families([tuple(s[len(root) :]) for s in forward_scopes])
+    enclosing = {node[:depth] for node in families for depth in range(len(node) + 1)} or {()}
     units: dict[str, str | None] = {}
+    block_of: dict[str, str | None] = {}
     for op in graph.ops():
-        parts = op.scope.split("/") if op.scope else []
-        if op.phase != "optimizer" and len(parts) > len(root) and parts[: len(root)] == root:
-            units[op.name] = parts[len(root)]
-        else:
+        parts = tuple(op.scope.split("/")) if op.scope else ()
+        if op.phase == "optimizer" or len(parts) <= len(root) or list(parts[: len(root)]) != root:
             units[op.name] = None
-    return "/".join(root), units
+            continue
+        unit, block = _unit(parts[len(root) :], families, enclosing)
+        units[op.name] = unit
+        if unit is not None:
+            block_of[unit] = block
+    return "/".join(root), units, block_of
 
 
 def _block_key(unit: str) -> tuple[str, str] | None:
@@ -99,23 +112,51 @@ def _block_key(unit: str) -> tuple[str, str] | None:
     return (f"{match.group(1)}_{match.group(2)}", match.group(1)) if match else None
 
 
-def _group_units(ordered_units: list[str]) -> tuple[list[str], dict[str, int]]:
-    numbers = defaultdict(set)
-    for unit in ordered_units:
-        key = _block_key(unit)
-        if key:
-            numbers[key[1]].add(key[0])
+def _families(scopes: list[tuple[str, ...]]) -> dict[tuple[str, ...], dict[str, str]]:
+    """Scopes holding a family of blocks: scope → {child name: block name}, outermost families only."""
+    children: dict[tuple[str, ...], set[str]] = defaultdict(set)
+    for parts in scopes:
+        for depth in range(len(parts)):
+            children[parts[:depth]].add(parts[depth])
+    families: dict[tuple[str, ...], dict[str, str]] = {}
+    for node in sorted(children, key=len):  # shallow first: an enclosing family claims its blocks
+        if any(node[depth] in families.get(node[:depth], {}) for depth in range(len(node))):
+            continue
+        numbers: dict[str, set[str]] = defaultdict(set)
+        for child in children[node]:
+            key = _block_key(child)
+            if key:
+                numbers[key[1]].add(key[0])
+        members = {
+            child: key[0] for child in children[node] if (key := _block_key(child)) and len(numbers[key[1]]) >= 2
+        }
+        if members:
+            families[node] = members
+    return families
 
-    def block_of(unit: str) -> str | None:
-        key = _block_key(unit)
-        return key[0] if key and len(numbers[key[1]]) >= 2 else None
 
-    has_blocks = any(block_of(unit) for unit in ordered_units)
+def _unit(
+    parts: tuple[str, ...], families: dict[tuple[str, ...], dict[str, str]], enclosing: set[tuple[str, ...]]
+) -> tuple[str | None, str | None]:
+    """``(unit, block)`` of a scope below the root: walk down while the scope encloses a family."""
+    for depth in range(len(parts)):
+        node = parts[:depth]
+        block = families.get(node, {}).get(parts[depth])
+        if block is not None:
+            name = "/".join((*node, block))
+            return name, name
+        if parts[: depth + 1] not in enclosing:
+            return "/".join(parts[: depth + 1]), None
+    return None, None  # glue at a scope that encloses a family
+
+
+def _group_units(ordered_units: list[str], block_of: dict[str, str | None]) -> tuple[list[str], dict[str, int]]:
+    has_blocks = any(block_of.get(unit) for unit in ordered_units)
     names: list[str] = []
     layer_of_unit: dict[str, int] = {}
     previous_block: str | None = None
     for unit in ordered_units:
-        block = block_of(unit)
+        block = block_of.get(unit)
         if block is not None and block == previous_block:
             layer_of_unit[unit] = len(names) - 1
         elif block is not None or not has_blocks or not names or previous_block is not None:
@@ -175,9 +216,9 @@ def _signature(graph: OpGraph, op_names: list[str], param_bytes: int) -> str:
 
 
 def _build(graph: OpGraph, assignment: dict[str, int], names: list[str], scoped: set[str]) -> LayerGraph:
-    """Assemble the layers; signatures use only the ops placed by scope (rules 1–2).
+    """Assemble the layers; signatures use only the ops placed by scope (rules 1–3).
 
-    Ops placed by data flow (rule 3) are left out of the signature because a
+    Ops placed by data flow (rule 4) are left out of the signature because a
     block's neighbours differ: the first block also absorbs the unscoped
     gradient reduction of the position embedding that reads its output.
     """

@@ -152,3 +152,81 @@ def test_single_op_graph_is_one_layer():
     g.add_op(Op(name="a", kind="matmul", primitive="dot_general", flops=1.0))
     layers = coarsen(g)
     assert len(layers) == 1 and layers[0].flops == 1.0
+
+
+def _scoped_chain(scopes: list[str]) -> OpGraph:
+    """A forward chain of one matmul per scope (backward mirrored), edges between neighbours."""
+    g = OpGraph()
+    names = []
+    for phase, order in (("forward", scopes), ("backward", scopes[::-1])):
+        for i, scope in enumerate(order):
+            name = f"{phase}_{i}"
+            g.add_op(Op(name=name, kind="matmul", primitive="dot_general", flops=2.0, scope=scope, phase=phase))
+            if names:
+                g.add_edge(names[-1], name, nbytes=4)
+            names.append(name)
+    return g
+
+
+@pytest.mark.parametrize(
+    ("before", "block", "after"),
+    [
+        (
+            ["model/transformer/wte", "model/transformer/wpe"],
+            "model/transformer/h_{}",
+            ["model/transformer/ln_f", "lm_head"],
+        ),
+        (["encoder/embed"], "encoder/layers_{}", ["encoder/norm", "head"]),
+        (["embed"], "layers_{}", ["head"]),
+    ],
+)
+def test_blocks_are_found_at_any_depth(before, block, after):
+    inner = [f"{block}/attn/q", f"{block}/attn/o", f"{block}/mlp"]
+    scopes = before + [s.format(i) for i in range(6) for s in inner] + after
+    layers = coarsen(_scoped_chain([f"Net/{s}" for s in scopes] + ["Net"]))
+    names = [layer.name for layer in layers]
+    assert names == ["Net/" + "+".join(before)] + [f"Net/{block.format(i)}" for i in range(6)] + [
+        "Net/" + "+".join(after)
+    ]
+    assert list(range(1, 7)) in layers.repeated().values()
+
+
+def test_a_family_inside_a_block_stays_in_the_block():
+    """T5-style ``block_<n>/layer_<m>``: the outer family makes the layers."""
+    scopes = ["embed"] + [f"encoder/block_{i}/layer_{j}" for i in range(3) for j in range(2)] + ["head"]
+    layers = coarsen(_scoped_chain([f"Net/{s}" for s in scopes]))
+    assert [layer.name for layer in layers] == ["Net/embed"] + [f"Net/encoder/block_{i}" for i in range(3)] + [
+        "Net/head"
+    ]
+
+
+def test_glue_at_a_scope_enclosing_blocks_joins_a_neighbour():
+    scopes = ["embed", "stack"] + [f"stack/layers_{i}" for i in range(3)] + ["stack", "head"]
+    layers = coarsen(_scoped_chain([f"Net/{s}" for s in scopes]))
+    assert [layer.name for layer in layers] == ["Net/embed"] + [f"Net/stack/layers_{i}" for i in range(3)] + [
+        "Net/head"
+    ]
+    assert sum(len(layer.ops) for layer in layers) == 2 * len(scopes)
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = x + nn.Dense(x.shape[-1], name=f"layers_{i}")(nn.gelu(x))
+        return nn.LayerNorm(name="norm")(x)
+
+
+class Nested(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, name="embed")(x)
+        return nn.Dense(10, name="head")(Stack(name="encoder")(x))
+
+
+def test_flax_blocks_one_scope_deeper():
+    layers = coarsen(_step_graph(Nested()))
+    assert [layer.name for layer in layers] == (
+        ["Nested/embed"] + [f"Nested/encoder/layers_{i}" for i in range(3)] + ["Nested/encoder/norm+head"]
+    )
+    assert list(layers.repeated().values()) == [[1, 2, 3]]
