@@ -67,7 +67,7 @@ def match_level(jaxpr: jcore.Jaxpr, consts=(), path: tuple[str, ...] = ()) -> li
                         pattern="attention",
                         scope=scope,
                         path=path,
-                        shapes={"q": att["shapes"]["q"], "k": att["shapes"]["k"]},
+                        shapes=dict(att["shapes"]),
                         details={"causal": att["causal"], "scale": att["scale"], "problems": tuple(problems)},
                         rewritable=not problems,
                         anchor=i,

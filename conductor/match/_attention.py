@@ -16,9 +16,11 @@ folded to arrays and compared with tril to recognise causal attention.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from conductor.match._graph import Graph
+from conductor.match._graph import CHECK_CHUNK, Const, Graph
 
 _MASKED = -1e9  # a fill or additive bias at or below this removes the key
 
@@ -69,19 +71,39 @@ def _through_max(g: Graph, v):
             return v
 
 
+def _truthy(x):
+    return np.asarray(x).astype(bool)
+
+
+def _falsy(x):
+    return ~np.asarray(x).astype(bool)
+
+
+def _removes_or_keeps(bias: Const) -> bool:
+    """Every entry of ``bias`` is 0 (keep the key) or at most ``_MASKED`` (remove it)."""
+    return all(bool(np.all((x == 0) | (x <= _MASKED))) for _, x in bias.sweep())
+
+
 def _walk_to_scores(g: Graph, s):
-    """Back from the softmax input to the Q·Kᵀ ``dot_general``: (dot eqn, steps, problems) or None."""
+    """Back from the softmax input to the Q·Kᵀ ``dot_general``.
+
+    Returns (dot eqn, steps, problems, scale), or a string saying where the walk stopped.
+    """
     steps, problems, scale = [], [], 1.0
     v = s
     while True:
         e = g.eqn(v)
         if e is None:
-            return None
+            return "the softmax input is not computed from a Q·Kᵀ product in this body"
         name = e.primitive.name
+        shape = e.outvars[0].aval.shape
         if name == "dot_general":
             return e, steps, problems, scale
         if name == "transpose":
             steps.append(("transpose", e.params["permutation"]))
+            v = e.invars[0]
+        elif (units := _unit_map(e)) is not None:
+            steps.append(("units", units))
             v = e.invars[0]
         elif name in ("convert_element_type", "copy", "reduce_precision"):
             v = e.invars[0]
@@ -101,64 +123,136 @@ def _walk_to_scores(g: Graph, s):
             pred, *cases = e.invars
             fills = [g.scalar(c) for c in cases]
             k = 1 if fills[0] is not None else 0  # the case that carries the scores
-            mask = g.value(pred)
+            mask = g.const(pred)
             if mask is None:
-                problems.append("mask computed from inputs")
+                why = g.why_not_const(pred)
+                problems.append("mask computed from inputs" if "input" in why else f"mask is {why}")
             elif fills[1 - k] is None or fills[1 - k] > _MASKED:
                 problems.append("select fills with a value that does not remove keys")
             else:
-                steps.append(("mask", mask.astype(bool) if k == 1 else ~mask.astype(bool), e.outvars[0].aval.shape))
+                keep = mask.map(_truthy if k == 1 else _falsy)
+                steps.append(("mask", keep.fit(shape), shape))
             v = cases[k]
         elif name in ("add", "sub"):
-            values = [g.value(x) for x in e.invars]
-            k = 1 if values[1] is not None or name == "sub" else 0
-            bias = values[k]
+            consts = [g.const(x) for x in e.invars]
+            k = 1 if consts[1] is not None or name == "sub" else 0
+            bias = consts[k]
             if bias is None:
                 problems.append("bias computed from inputs")
-            elif np.all((bias == 0) | (bias <= _MASKED) if name == "add" else bias == 0):
-                steps.append(("mask", bias > _MASKED, e.outvars[0].aval.shape))
             else:
-                problems.append("additive bias (not a mask)")
+                bias = (bias if name == "add" else bias.map(np.negative)).fit(shape)
+                if _removes_or_keeps(bias):
+                    steps.append(("mask", bias.map(lambda x: x > _MASKED), shape))
+                else:
+                    problems.append("additive bias (not a mask)")
             v = e.invars[1 - k]
         else:
+            return f"the scores pass through {name} between Q·Kᵀ and the softmax"
+
+
+def _unit_map(e):
+    """For an equation that only inserts or drops size-1 dims: the input dim of each output dim
+    (None for an inserted one), else None."""
+    name = e.primitive.name
+    src, dst = tuple(e.invars[0].aval.shape), tuple(e.outvars[0].aval.shape)
+    if name == "broadcast_in_dim":
+        dims = e.params["broadcast_dimensions"]
+        if any(src[k] != dst[d] for k, d in enumerate(dims)) or any(
+            dst[d] != 1 for d in range(len(dst)) if d not in dims
+        ):
             return None
-
-
-def match_attention(g: Graph, index: int) -> dict | None:
-    """The attention whose P·V product is equation ``index``, as a description dict, or None."""
-    pv = g.jaxpr.eqns[index]
-    (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
-    for side in (0, 1):
-        p_var, _v_var = pv.invars[side], pv.invars[1 - side]
-        pc, vc, pb, vb = (lc, rc, lb, rb) if side == 0 else (rc, lc, rb, lb)
-        found = softmax_input(g, p_var)
-        if found is None or tuple(pc) != (found[1],) or len(vc) != 1:
-            continue
-        walk = _walk_to_scores(g, found[0])
-        if walk is None:
-            continue
-        described = _describe(g, walk, found[1], pv, side, pb, vb, vc)
-        if described is not None:
-            return described
+        return [dims.index(d) if d in dims else None for d in range(len(dst))]
+    if name == "squeeze":
+        dropped = {d % len(src) for d in e.params["dimensions"]}
+        return [d for d in range(len(src)) if d not in dropped]
+    if name == "reshape" and e.params.get("dimensions") is None:
+        mapping, i = [], 0
+        for n in dst:
+            while i < len(src) and src[i] == 1 and n != 1:
+                i += 1
+            if i < len(src) and src[i] == n:
+                mapping.append(i)
+                i += 1
+            elif n == 1:
+                mapping.append(None)
+            else:
+                return None
+        return mapping if all(src[j] == 1 for j in range(i, len(src))) else None
     return None
 
 
-def _describe(g, walk, axis, pv, side, pb, vb, vc):
+def _through_units(g: Graph, v):
+    """(source, mapping): ``v`` is ``source`` with size-1 dims inserted or dropped and dtype casts;
+    mapping[i] is the source dim of ``v``'s dim i (None for an inserted one)."""
+    mapping = list(range(len(v.aval.shape)))
+    while (e := g.eqn(v)) is not None:
+        if e.primitive.name == "convert_element_type":
+            v = e.invars[0]
+            continue
+        step = _unit_map(e)
+        if step is None:
+            break
+        mapping = [None if m is None else step[m] for m in mapping]
+        v = e.invars[0]
+    return v, mapping
+
+
+def match_attention(g: Graph, index: int) -> dict | None:
+    """The attention whose P·V product is equation ``index``, as a description dict, or None.
+
+    A softmax contracted over its axis with another tensor is a candidate: when the rest does not
+    match, the dict says why in ``problems`` (and has no kernel layout).
+    """
+    pv = g.jaxpr.eqns[index]
+    (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
+    unmatched = None
+    for side in (0, 1):
+        p_source, p_map = _through_units(g, pv.invars[side])
+        pc, vc, pb, vb = (lc, rc, lb, rb) if side == 0 else (rc, lc, rb, lb)
+        found = softmax_input(g, p_source)
+        if found is None or len(pc) != 1 or p_map[pc[0]] != found[1]:
+            continue
+        if len(vc) != 1:
+            unmatched = unmatched or "V is contracted over more than one dim"
+            continue
+        walk = _walk_to_scores(g, found[0])
+        if isinstance(walk, str):
+            unmatched = unmatched or walk
+            continue
+        described = _describe(walk, pv, side, p_map, pc[0], pb, vb, vc)
+        if isinstance(described, dict):
+            return described
+        unmatched = unmatched or described
+    if unmatched is None:
+        return None
+    return {"shapes": {}, "causal": False, "scale": 1.0, "problems": [f"not matched: {unmatched}"]}
+
+
+def _describe(walk, pv, side, p_map, pc, pb, vb, vc):
+    """The kernel layout of a matched attention (a dict), or why it does not fit one (a string)."""
     qk, steps, problems, scale = walk
     (lc, rc), (lb, rb) = qk.params["dimension_numbers"]
     if len(lc) != 1:
-        return None
+        return f"Q·Kᵀ contracts {len(lc)} dims (one head dim expected)"
     lhs, rhs = qk.invars
     l_free = [d for d in range(lhs.aval.ndim) if d not in lc and d not in lb]
     r_free = [d for d in range(rhs.aval.ndim) if d not in rc and d not in rb]
     labels = [f"b{i}" for i in range(len(lb))] + [f"L{d}" for d in l_free] + [f"R{d}" for d in r_free]
+    sizes = dict(zip(labels, qk.outvars[0].aval.shape))
+
+    def unit_label():
+        sizes[f"u{len(sizes)}"] = 1
+        return f"u{len(sizes) - 1}"
+
     masks = []
-    for step in reversed(steps):
+    for step in reversed(steps):  # from Q·Kᵀ forward: the label of each score dim
         if step[0] == "transpose":
             labels = [labels[p] for p in step[1]]
+        elif step[0] == "units":
+            labels = [labels[m] if m is not None else unit_label() for m in step[1]]
         else:
-            masks.append((np.broadcast_to(step[1], step[2]), list(labels)))
-    key = labels[axis]
+            masks.append((step[1], list(labels)))
+    key = labels[p_map[pc]]  # the softmax axis
     if key.startswith("R") and len(r_free) == 1:
         q, k, qc, kc, qb, kb, q_free = lhs, rhs, lc[0], rc[0], lb, rb, l_free
         q_label = "L"
@@ -166,29 +260,35 @@ def _describe(g, walk, axis, pv, side, pb, vb, vc):
         q, k, qc, kc, qb, kb, q_free = rhs, lhs, rc[0], lc[0], rb, lb, r_free
         q_label = "R"
     else:
-        return None
+        return "the softmax axis is not the only free dim of one side of Q·Kᵀ (the keys)"
     s_dim = next(d for d in range(k.aval.ndim) if d != kc and d not in kb)
-    v_free = [d for d in range(pv.invars[1 - side].aval.ndim) if d not in vc and d not in vb]
-    p_labels = labels  # softmax keeps the layout of its input
-    if sorted(p_labels[d] for d in pb) != sorted(f"b{i}" for i in range(len(qb))) or len(v_free) != 1:
-        return None
+    v_var = pv.invars[1 - side]
+    v_free = [d for d in range(v_var.aval.ndim) if d not in vc and d not in vb]
+    # the labels of P as the P·V product sees it (size-1 dims may be inserted or dropped on the way)
+    p_labels = [labels[m] if m is not None else unit_label() for m in p_map]
+    if sorted(p_labels[d] for d in pb) != sorted(f"b{i}" for i in range(len(qb))):
+        return "the batch dims of P·V are not those of Q·Kᵀ"
+    if len(v_free) != 1:
+        return f"V has {len(v_free)} free dims (one head dim expected)"
     q_labels = [f"{q_label}{d}" for d in q_free]
+    if not q_labels:
+        return "Q has no free dim for the query sequence"
     seq_q, seq_k = [q.aval.shape[d] for d in q_free], k.aval.shape[s_dim]
-    t_label, causal = _causal(masks, q_labels, key, q, seq_k, problems)
+    t_label, causal = _causal(masks, q_labels, key, sizes, problems)
     v_batch = {p_labels[pd]: vd for pd, vd in zip(pb, vb)}
-    p_free = [p_labels[d] for d in range(len(p_labels)) if d not in pb and d != axis]
+    p_free = [p_labels[d] for d in range(len(p_labels)) if d not in pb and d != pc]
     out_labels = [p_labels[d] for d in pb] + ([*p_free, "dv"] if side == 0 else ["dv", *p_free])
+    if any(sizes[lab] != 1 for lab in q_labels if lab not in out_labels):
+        return "P·V drops a query dim"
     batch = [q.aval.shape[d] for d in qb]
     heads = int(np.prod([q.aval.shape[int(lab[1:])] for lab in q_labels if lab != t_label], dtype=int))
-    head_dim, dv = q.aval.shape[qc], pv.invars[1 - side].aval.shape[v_free[0]]
+    head_dim, dv = q.aval.shape[qc], v_var.aval.shape[v_free[0]]
     if dv != head_dim:
         problems.append(f"value head dim {dv} differs from query head dim {head_dim}")
-    if not q_labels or t_label is None:
-        return None
     return {
         "q": q,
         "k": k,
-        "v": pv.invars[1 - side],
+        "v": v_var,
         "layout": {
             "q_dims": [*qb, *[int(lab[1:]) for lab in q_labels if lab != t_label], int(t_label[1:]), qc],
             "k_dims": [*kb, s_dim, kc],
@@ -209,23 +309,40 @@ def _describe(g, walk, axis, pv, side, pb, vb, vc):
     }
 
 
-def _causal(masks, q_labels, key, q, seq_k, problems):
-    """(query-sequence label, causal?) from the constant masks on the score axes."""
+def _causal(masks, q_labels, key, sizes, problems):
+    """(query-sequence label, causal?) from the constant masks on the score axes.
+
+    The masks are read a chunk of query rows at a time over the axes they depend on, so the check
+    costs O(T·S) time at any length and never builds a (T, S) array whole.
+    """
     if not masks:
         return q_labels[-1], False
-    combined = None
-    for mask, labels in masks:
-        m = np.transpose(mask, [labels.index(lab) for lab in sorted(labels)])
-        combined = m if combined is None else combined & m
-    order = sorted(masks[0][1])
-    if combined.all():
-        return q_labels[-1], False
-    for t in reversed(q_labels):
-        if q.aval.shape[int(t[1:])] != seq_k:
-            continue
-        axes = [order.index(t), order.index(key)]
-        moved = np.moveaxis(combined, axes, [-2, -1]).reshape(-1, seq_k, seq_k)
-        if np.all(moved == np.tril(np.ones((seq_k, seq_k), bool))):
+    order = sorted(sizes)
+    rank = len(order)
+    swept = {key} | {labels[d] for c, labels in masks for d in c.depends}
+    candidates = [t for t in reversed(q_labels) if sizes[t] == sizes[key]] or [None]
+    for t in candidates:
+        axes = sorted(swept | ({t} if t else set()), key=lambda lab: (lab != t, lab))  # t first: chunked
+        rest = math.prod(sizes[lab] for lab in axes[1:])
+        step = max(1, CHECK_CHUNK // max(rest, 1))
+        is_causal, is_empty = t is not None, True
+        for start in range(0, sizes[axes[0]], step):
+            index = {lab: np.zeros((1,) * rank, int) for lab in order}
+            for lab in axes:
+                n = sizes[lab]
+                span = np.arange(start, min(start + step, n)) if lab == axes[0] else np.arange(n)
+                index[lab] = span.reshape([-1 if o == lab else 1 for o in order])
+            grid = np.broadcast_shapes(*(i.shape for i in index.values()))
+            keep = np.ones(grid, bool)
+            for c, labels in masks:
+                keep &= np.broadcast_to(np.asarray(c.at(tuple(index[lab] for lab in labels)), bool), grid)
+            is_empty = is_empty and bool(keep.all())
+            is_causal = is_causal and bool(np.array_equal(keep, np.broadcast_to(index[key] <= index[t], grid)))
+            if not (is_causal or is_empty):
+                break
+        if is_empty:
+            return q_labels[-1], False
+        if is_causal:
             return t, True
     problems.append("mask is neither causal nor empty")
     return q_labels[-1], False

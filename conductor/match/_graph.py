@@ -1,13 +1,135 @@
-"""A read-only view of one jaxpr level: producers, consumers, constant folding."""
+"""A read-only view of one jaxpr level: producers, consumers, and constants known by value.
+
+A constant (an expression of iotas, literals and captured arrays that depends on
+no input) is a :class:`Const`: a function from index points to values, so a
+(T, T) causal mask broadcast to (B, H, T, T) is read at the points a check asks
+for and never built whole. Only equations that mix elements (a reduction, a
+product, a concatenation) are folded into arrays, and only up to ``FOLD_LIMIT``
+elements; beyond that the reason is kept (``Graph.why_not_const``).
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
 _PASS_THROUGH = ("broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type", "squeeze", "copy")
-_FOLD_LIMIT = 1 << 27  # elements; a (8192, 8192) mask is 2^26
+FOLD_LIMIT = 1 << 24  # elements an equation that mixes elements may fold into an array
+CHECK_CHUNK = 1 << 22  # index points evaluated at once when a check sweeps a constant
+
+_BINARY = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "ge": np.greater_equal,
+    "gt": np.greater,
+    "le": np.less_equal,
+    "lt": np.less,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+    "rem": np.fmod,  # lax.rem takes the sign of the dividend, as C's fmod
+    "pow": np.power,
+}
+_UNARY = {
+    "neg": np.negative,
+    "not": np.invert,
+    "abs": np.abs,
+    "sign": np.sign,
+    "exp": np.exp,
+    "log": np.log,
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "stop_gradient": lambda x: x,
+    "copy": lambda x: x,
+    "reduce_precision": lambda x: x,
+}
+
+
+def _div(x, y):
+    if np.issubdtype(np.result_type(x, y), np.integer):  # lax.div rounds integers toward zero
+        q = np.abs(x) // np.abs(y)
+        return np.where((x < 0) != (y < 0), -q, q).astype(np.result_type(x, y))
+    return np.true_divide(x, y)
+
+
+@dataclass(frozen=True, slots=True)
+class Const:
+    """A constant of ``shape``, read at index points.
+
+    ``at(index)`` takes one integer array per dim, broadcastable against each other, and returns
+    the values there (broadcastable to their common shape). ``depends`` holds the dims the value
+    may vary along (a superset): along any other dim every slice is the same.
+    """
+
+    shape: tuple[int, ...]
+    at: Callable
+    depends: frozenset[int]
+
+    def map(self, fn) -> Const:
+        """The constant ``fn(self)`` for an elementwise ``fn``."""
+        return Const(self.shape, lambda index: fn(self.at(index)), self.depends)
+
+    def fit(self, shape) -> Const:
+        """This constant read as an operand of ``shape`` (a scalar, or size-1 dims broadcast)."""
+        shape = tuple(shape)
+        if self.shape == shape:
+            return self
+        if self.shape == ():
+            return Const(shape, lambda index: self.at(()), frozenset())
+        ones = {d for d, n in enumerate(self.shape) if n == 1 and shape[d] != 1}
+
+        def at(index):
+            return self.at(tuple(0 if d in ones else i for d, i in enumerate(index)))
+
+        return Const(shape, at, self.depends - ones)
+
+    def first(self):
+        """The value at index 0 of every dim (the only value when ``depends`` is empty)."""
+        return np.asarray(self.at(tuple(np.zeros((1,) * len(self.shape), int) for _ in self.shape))).reshape(-1)[0]
+
+    def sweep(self, dims: tuple[int, ...] | None = None):
+        """Yield (index, values) over every point of ``dims`` (default: ``depends``), a chunk at a time;
+        the other dims stay at 0."""
+        dims = tuple(sorted(self.depends if dims is None else dims))
+        rank = len(self.shape)
+        sizes = [self.shape[d] for d in dims]
+        rest = math.prod(sizes[1:])
+        step = max(1, CHECK_CHUNK // max(rest, 1))
+        lead = sizes[0] if dims else 1
+        for start in range(0, lead, step):
+            index = [np.zeros((1,) * rank, int) for _ in range(rank)]
+            for k, d in enumerate(dims):
+                span = np.arange(start, min(start + step, lead)) if k == 0 else np.arange(sizes[k])
+                index[d] = span.reshape([-1 if j == d else 1 for j in range(rank)])
+            shape = np.broadcast_shapes(*(i.shape for i in index))
+            yield tuple(index), np.broadcast_to(np.asarray(self.at(tuple(index))), shape)
+
+    def array(self) -> np.ndarray:
+        """The whole value as an array (for constants small enough to fold)."""
+        index = tuple(
+            np.arange(n).reshape([-1 if j == d else 1 for j in range(len(self.shape))])
+            for d, n in enumerate(self.shape)
+        )
+        return np.broadcast_to(np.asarray(self.at(index)), self.shape)
+
+
+def _dense(x) -> Const:
+    x = np.asarray(x)
+    return Const(
+        tuple(x.shape),
+        lambda index: x[index] if x.ndim and index else x,
+        frozenset(d for d, n in enumerate(x.shape) if n > 1),
+    )
 
 
 class Graph:
@@ -24,8 +146,8 @@ class Graph:
                 if isinstance(v, jcore.Var):
                     self.users.setdefault(v, []).append(i)
         self.outputs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-        self._values: dict = {v: np.asarray(c) for v, c in zip(jaxpr.constvars, consts)}
-        self._not_const: set = set(jaxpr.invars)
+        self._consts: dict = {v: _dense(c) for v, c in zip(jaxpr.constvars, consts)}
+        self._why: dict = {v: "an input of the step" for v in jaxpr.invars}
 
     def eqn(self, v):
         """The equation producing ``v`` (None for inputs, constants and literals)."""
@@ -41,37 +163,80 @@ class Graph:
             v = e.invars[0]
         return v
 
-    def value(self, v):
-        """``v``'s value if it depends on no input (iota, literals, constants), else None."""
+    def const(self, v) -> Const | None:
+        """``v`` as a :class:`Const` if it depends on no input (iota, literals, captured arrays), else None."""
         if isinstance(v, jcore.Literal):
-            return np.asarray(v.val)
-        if v in self._values:
-            return self._values[v]
-        if v in self._not_const:
+            return _dense(v.val)
+        if v in self._consts:
+            return self._consts[v]
+        if v in self._why:
             return None
-        e = self.eqn(v)
-        size = int(np.prod(v.aval.shape)) if hasattr(v.aval, "shape") else 1
-        if e is None or e.effects or size > _FOLD_LIMIT or e.primitive.name in ("scan", "while", "pallas_call"):
-            self._not_const.add(v)
-            return None
-        ins = [self.value(x) for x in e.invars]
-        if any(x is None for x in ins):
-            self._not_const.add(v)
-            return None
+        # iterative post-order over the producers, so a long chain of constant equations cannot overflow the stack
+        stack = [v]
+        while stack:
+            top = stack[-1]
+            e = self.eqn(top)
+            if e is None:
+                self._why[top] = "an input of the step"
+                stack.pop()
+                continue
+            pending = [x for x in e.invars if isinstance(x, jcore.Var) and x not in self._consts and x not in self._why]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            if top in self._consts or top in self._why:
+                continue
+            self._const_of(e)
+        return self._consts.get(v)
+
+    def why_not_const(self, v) -> str:
+        """Why ``v`` is not a constant: the input it is computed from or the fold that was refused."""
+        self.const(v)
+        return self._why.get(v, "it is a constant")
+
+    def _const_of(self, e) -> None:
+        ins = []
+        for x in e.invars:
+            c = self.const(x) if isinstance(x, jcore.Literal) else self._consts.get(x)
+            if c is None:
+                why = self._why.get(x, "")
+                for o in e.outvars:
+                    self._why[o] = "computed from inputs" if "input" in why else why
+                return
+            ins.append(c)
+        if e.effects or e.primitive.name in ("scan", "while", "pallas_call", "cond"):
+            for o in e.outvars:
+                self._why[o] = f"produced by {e.primitive.name}"
+            return
+        out = e.outvars[0]
+        shape = tuple(getattr(out.aval, "shape", ()))
+        lazy = None if e.primitive.multiple_results else _lazy(e, ins, shape)
+        if lazy is not None:
+            self._consts[out] = lazy
+            return
+        sizes = [math.prod(c.shape) for c in ins] + [math.prod(getattr(o.aval, "shape", ())) for o in e.outvars]
+        if max(sizes, default=0) > FOLD_LIMIT:
+            for o in e.outvars:
+                self._why[o] = f"a constant {e.primitive.name} of {max(sizes)} elements, too large to fold"
+            return
         with jax.ensure_compile_time_eval():  # fold concretely even when called under an outer trace
-            outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+            outs = e.primitive.bind(*[c.array() for c in ins], **e.primitive.get_bind_params(e.params))
         outs = outs if e.primitive.multiple_results else [outs]
         for o, x in zip(e.outvars, outs):
-            self._values[o] = np.asarray(x)
-        return self._values[v]
+            self._consts[o] = _dense(x)
 
     def scalar(self, v):
         """``v``'s value as a Python float if it is a constant with one distinct value, else None."""
-        x = self.value(v)
-        if x is None or x.size == 0:
+        c = self.const(v)
+        if c is None:
             return None
-        flat = x.reshape(-1)
-        return float(flat[0]) if np.all(flat == flat[0]) else None
+        if not c.depends:
+            return float(c.first())
+        if math.prod(c.shape) > FOLD_LIMIT:
+            return None
+        flat = np.asarray(c.array()).reshape(-1)
+        return float(flat[0]) if flat.size and np.all(flat == flat[0]) else None
 
     def broadcast_root(self, v):
         """(source var, dims): ``v`` is ``source`` broadcast with source dim i at output dim dims[i]."""
@@ -89,9 +254,100 @@ class Graph:
             else:
                 break
             v = e.invars[0]
-        # drop size-1 source dims (keepdims-style sources) from the mapping
         shape = v.aval.shape
         return v, tuple(d for d, n in zip(dims, shape)), shape
+
+
+def _lazy(e, ins: list[Const], shape) -> Const | None:
+    """The equation's output as a function of index points, for equations that move or map elements."""
+    name, p = e.primitive.name, e.params
+    rank = len(shape)
+    if name == "iota":
+        dim, dtype = p["dimension"], np.dtype(p["dtype"])
+        return Const(shape, lambda index: np.asarray(index[dim]).astype(dtype), frozenset({dim}))
+    if name == "broadcast_in_dim":
+        (src,), dims = ins, p["broadcast_dimensions"]
+
+        def at(index):
+            return src.at(tuple(index[d] if src.shape[k] != 1 else 0 for k, d in enumerate(dims)))
+
+        return Const(shape, at, frozenset(dims[k] for k in src.depends))
+    if name == "transpose":
+        (src,), perm = ins, p["permutation"]
+        return Const(
+            shape,
+            lambda index: src.at(tuple(index[perm.index(j)] for j in range(rank))),
+            frozenset(perm.index(j) for j in src.depends),
+        )
+    if name == "squeeze":
+        (src,), dropped = ins, {d % len(ins[0].shape) for d in p["dimensions"]}
+        kept = [d for d in range(len(src.shape)) if d not in dropped]
+
+        def at(index):
+            full, it = [], iter(index)
+            for d in range(len(src.shape)):
+                full.append(0 if d in dropped else next(it))
+            return src.at(tuple(full))
+
+        return Const(shape, at, frozenset(kept.index(d) for d in src.depends if d in kept))
+    if name == "reshape" and p.get("dimensions") is None:
+        (src,) = ins
+        out_strides = [math.prod(shape[k + 1 :]) for k in range(rank)]
+        in_strides = [math.prod(src.shape[k + 1 :]) for k in range(len(src.shape))]
+
+        def at(index):
+            flat = sum((np.asarray(i) * s for i, s in zip(index, out_strides)), np.zeros((), int))
+            return src.at(tuple((flat // s) % n for s, n in zip(in_strides, src.shape)))
+
+        return Const(shape, at, frozenset(d for d in range(rank) if shape[d] > 1))
+    if name == "slice":
+        (src,) = ins
+        starts, strides = p["start_indices"], p["strides"] or (1,) * rank
+        return Const(
+            shape,
+            lambda index: src.at(tuple(s + np.asarray(i) * k for i, s, k in zip(index, starts, strides))),
+            src.depends,
+        )
+    if name == "rev":
+        (src,), flipped = ins, set(p["dimensions"])
+        return Const(
+            shape,
+            lambda index: src.at(
+                tuple(n - 1 - np.asarray(i) if d in flipped else i for d, (i, n) in enumerate(zip(index, shape)))
+            ),
+            src.depends,
+        )
+    depends = frozenset().union(*(c.depends for c in ins)) if ins else frozenset()
+    if name == "convert_element_type":
+        (src,), dtype = ins, np.dtype(p["new_dtype"])
+        return Const(shape, lambda index: np.asarray(src.at(index)).astype(dtype), depends)
+    if not all(_fits(c.shape, shape) for c in ins):
+        return None
+    ins = [c.fit(shape) for c in ins]  # jax's elementwise ops broadcast size-1 dims
+    if name == "select_n":
+        pred, *cases = ins
+
+        def at(index):
+            which = np.asarray(pred.at(index))
+            if len(cases) == 2:
+                return np.where(which, cases[1].at(index), cases[0].at(index))
+            return np.choose(which.astype(int), np.broadcast_arrays(*[c.at(index) for c in cases]))
+
+        return Const(shape, at, depends)
+    if name == "div":
+        x, y = ins
+        return Const(shape, lambda index: _div(x.at(index), y.at(index)), depends)
+    if name in _BINARY and len(ins) == 2:
+        fn, (x, y) = _BINARY[name], ins
+        return Const(shape, lambda index: fn(x.at(index), y.at(index)), depends)
+    if name in _UNARY and len(ins) == 1:
+        fn, (x,) = _UNARY[name], ins
+        return Const(shape, lambda index: fn(x.at(index)), depends)
+    return None
+
+
+def _fits(src, dst) -> bool:
+    return src == () or (len(src) == len(dst) and all(n in (1, m) for n, m in zip(src, dst)))
 
 
 def _drops_unit_dims(src, dst):

@@ -51,7 +51,12 @@ def _attention(match: Match, decision: Decision) -> Substitution:
         )
         o = o.transpose(0, 2, 1, 3).reshape(*bflat, *extra_sizes, t, o.shape[-1])
         labels = [f"b{i}" for i in range(n_batch)] + extras + [lay["t_label"], "dv"]
-        o = jnp.transpose(o, [labels.index(lab) for lab in lay["out_labels"]])
+        out_labels = lay["out_labels"]
+        # size-1 dims the written form drops or inserts between its products (a squeezed batch of one)
+        kept = [lab for lab in labels if lab in out_labels]
+        inserted = [lab for lab in out_labels if lab not in labels]
+        o = o.reshape([n for lab, n in zip(labels, o.shape) if lab in out_labels] + [1] * len(inserted))
+        o = jnp.transpose(o, [(kept + inserted).index(lab) for lab in out_labels])
         return [o.astype(out_var.aval.dtype)]
 
     return Substitution(anchor=match.anchor, inputs=(r["q"], r["k"], r["v"]), outvars=(out_var,), fn=fn)

@@ -73,6 +73,84 @@ def scan_inputs(batch: int, seq: int, d_inner: int, d_state: int, *, seed: int =
     return dt, a, v, b, c, w
 
 
+def _repeat_kv(q, k, v):
+    """GQA/MQA written the common way: K and V repeated up to the query heads."""
+    group = q.shape[2] // k.shape[2]
+    return jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+
+
+def _tril(seq: int):
+    return jnp.tril(jnp.ones((seq, seq), bool))
+
+
+def _iota_causal(seq: int):
+    rows = jax.lax.broadcasted_iota(jnp.int32, (seq, seq), 0)
+    return jax.lax.broadcasted_iota(jnp.int32, (seq, seq), 1) <= rows
+
+
+def einsum_tril(q, k, v):
+    """Einsum scores, ``jnp.where(jnp.tril(...), s, -inf)``, ``jax.nn.softmax``, einsum with V."""
+    k, v = _repeat_kv(q, k, v)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(_tril(q.shape[1]), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def einsum_iota(q, k, v):
+    """As :func:`einsum_tril` with an iota-comparison mask filled with the dtype's lowest value."""
+    k, v = _repeat_kv(q, k, v)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(_iota_causal(q.shape[1]), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def matmul_additive(q, k, v):
+    """Heads-first ``@`` products, a scale by multiplication, an additive −1e9 mask, the softmax inline."""
+    k, v = _repeat_kv(q, k, v)
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, H, T, D)
+    s = (q @ jnp.swapaxes(k, -1, -2)) * (1 / np.sqrt(q.shape[-1]))
+    s = s + jnp.where(_iota_causal(q.shape[2]), 0.0, -1e9).astype(s.dtype)
+    e = jnp.exp(s - s.max(-1, keepdims=True))
+    return jnp.swapaxes((e / e.sum(-1, keepdims=True)) @ v, 1, 2)
+
+
+def grouped_gqa(q, k, v):
+    """GQA with the group as an extra query dim: q (B, T, Hkv, G, D) against k, v (B, S, Hkv, D)."""
+    b, t, h, d = q.shape
+    q = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k) / np.sqrt(d)
+    s = jnp.where(_tril(t), s, -jnp.inf)
+    return jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, h, d)
+
+
+def flax_causal(q, k, v):
+    """``flax.linen.dot_product_attention`` with ``make_causal_mask``."""
+    import flax.linen as nn
+
+    k, v = _repeat_kv(q, k, v)
+    return nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.zeros(q.shape[:2], jnp.int32)))
+
+
+def dot_general_full(q, k, v):
+    """Explicit ``dot_general`` products and no mask (bidirectional attention)."""
+    k, v = _repeat_kv(q, k, v)
+    s = jax.lax.dot_general(q, k, (((3,), (3,)), ((0, 2), (0, 2)))) / np.sqrt(q.shape[-1])  # (B, H, T, S)
+    o = jax.lax.dot_general(jax.nn.softmax(s, axis=-1), v, (((3,), (1,)), ((0, 1), (0, 2))))  # (B, H, T, D)
+    return jnp.swapaxes(o, 1, 2)
+
+
+# Every spelling the conductor finds, all (B, T, H, D) queries against (B, S, Hkv, D) keys and values,
+# with whether it is causal.
+ATTENTION_SPELLINGS: dict[str, tuple[Callable, bool]] = {
+    "einsum_tril": (einsum_tril, True),
+    "einsum_iota": (einsum_iota, True),
+    "matmul_additive": (matmul_additive, True),
+    "grouped_gqa": (grouped_gqa, True),
+    "flax_causal": (flax_causal, True),
+    "dot_general_full": (dot_general_full, False),
+}
+
+
 def max_abs_diff(x, y) -> float:
     return max(
         float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y))

@@ -122,6 +122,31 @@ def test_a_mask_from_inputs_is_reported_but_not_rewritten():
     assert "mask computed from inputs" in match.details["problems"]
 
 
+def test_an_unmatched_candidate_says_why():
+    def soft_capped(q, k, v):  # the logits are capped with tanh, which no kernel here does
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = 30.0 * jnp.tanh(s / 30.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    ((match, decision),) = conductor.inspect(soft_capped, *_inputs((B, T, H, D), (B, T, H, D)), policy=FORCE)
+    assert match.pattern == "attention" and not match.rewritable and not decision.rewrite
+    assert decision.reason == "not matched: the scores pass through tanh between Q·Kᵀ and the softmax"
+
+
+def test_a_constant_mask_too_large_to_fold_says_so():
+    seq = 8192  # traced only
+
+    def cumsum_mask(q, k, v):  # a causal mask, but through a cumulative sum: folding it builds it whole
+        keep = jnp.cumsum(jnp.eye(seq, dtype=jnp.int32), axis=0) > 0
+        s = jnp.where(keep, jnp.einsum("bqhd,bkhd->bhqk", q, k), -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    spec = jax.ShapeDtypeStruct((1, seq, 2, 8), jnp.float32)
+    ((match, decision),) = conductor.inspect(cumsum_mask, spec, spec, spec, policy=FORCE)
+    assert not match.rewritable and not decision.rewrite
+    assert match.details["problems"] == (f"mask is a constant cumsum of {seq * seq} elements, too large to fold",)
+
+
 def test_matching_recurses_into_jit_remat_and_scan():
     inner = jax.checkpoint(jax.jit(einsum_mha))
 
