@@ -156,7 +156,7 @@ class RunConfig:
             raise FileNotFoundError(f"{run_dir} holds no run ({CONFIG_FILE} is missing)")
         try:
             return cls.from_json(json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError, KeyError) as error:
+        except (TypeError, KeyError, ValueError, AttributeError) as error:  # ValueError: bad JSON, a bad plan
             raise ValueError(f"{path} is not a run configuration: {error}") from None
 
     def load_cluster(self):

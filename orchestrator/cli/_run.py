@@ -5,6 +5,12 @@ from the latest checkpoint, on the same plan or, with ``--cluster``/``--devices`
 another one (parameters and optimizer state are resharded on restore). See
 :func:`integrations.flax.train` for what a run directory holds.
 
+Runs are transactional: ``train`` checks everything it can (recipe, shape, cluster, the devices
+present, a ``--plan`` against the model, cluster and devices) before it writes RUN_DIR, and takes
+run.json away again if the run fails before its first checkpoint, so a corrected retry starts
+cleanly. Devices are never made up: a run uses the jax devices there are (8 virtual CPU devices
+unless ``XLA_FLAGS`` chooses), and asking for more is refused.
+
 The recipe is resolved here, the top layer: run.json's metadata holds the
 :class:`recipes.RecipeRun` (recipe, batch shape, seed, learning rate), and every call of
 ``integrations.flax.train`` gets the step, the initial state and the batches built from it.
@@ -12,6 +18,7 @@ The recipe is resolved here, the top layer: run.json's metadata holds the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -21,46 +28,95 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from orchestrator.cli._common import fail
+from orchestrator.cli._common import (
+    MAX_GLOBAL_BATCH,
+    MAX_SEQ,
+    MAX_TIME_LIMIT_S,
+    cluster_or_fail,
+    fail,
+    plan_or_fail,
+    recipe_or_fail,
+    seq_or_fail,
+)
 
 _FLAG = "--xla_force_host_platform_device_count"
+_MAX_VIRTUAL = 512  # virtual CPU devices a resume asks for on its own
 
 
-def _ask_devices(default: int, need: int) -> None:
-    """Start jax with ``default`` virtual CPU devices unless it is imported or XLA_FLAGS chooses; check ``need``."""
+def _ask_devices(default: int, need: int) -> int:
+    """Start jax with ``default`` virtual CPU devices unless it is imported or XLA_FLAGS chooses; check ``need``.
+
+    Returns:
+      how many jax devices there are.
+    """
     if "jax" not in sys.modules and _FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}={default}".strip()
     import jax
 
-    if len(jax.devices()) < need:
-        fail(f"this needs {need} jax devices, found {len(jax.devices())}: set XLA_FLAGS={_FLAG}={need} before starting")
+    present = len(jax.devices())
+    if present < need:
+        fail(
+            f"--devices {need}: there are {present} jax devices here "
+            f"(to simulate more on the CPU, start with XLA_FLAGS={_FLAG}={need})"
+        )
+    return present
 
 
-def _unavailable(cluster_name: str, devices: int | None) -> tuple[str, ...]:
-    """Refs of the cluster's devices beyond the first ``devices`` (all in service if None)."""
-    from orchestrator.cluster import ClusterError, load_cluster
-
-    try:
-        cluster = load_cluster(cluster_name)
-    except ClusterError as error:
-        fail(str(error))
+def _unavailable(cluster, devices: int | None) -> tuple[str, ...]:
+    """Refs of ``cluster``'s devices beyond the first ``devices`` (all in service if None)."""
     refs = [d.ref for d in cluster.all_devices()]
     if devices is not None and devices > len(refs):
         fail(f"--devices {devices}: cluster {cluster.name!r} has {len(refs)} devices")
     return tuple(refs[devices:]) if devices is not None else ()
 
 
+def _cluster_on_jax(cluster, present: int):
+    """``cluster`` if jax has one device for each of its devices (the ``local`` cluster always does)."""
+    count = len(cluster.all_devices())
+    if count != present:
+        fail(
+            f"cluster {cluster.name!r} has {count} devices and there are {present} jax devices here; "
+            f"train on --cluster local, or start with XLA_FLAGS={_FLAG}={count} to play its devices on the CPU"
+        )
+    return cluster
+
+
+def _plan_mismatch(plan, cluster, *, recipe: str, seq: int, global_batch: int) -> str | None:
+    """Why ``plan`` cannot run this run as it is (another model, cluster or devices), or None if it can."""
+    from orchestrator.cluster import ClusterError, parse_cluster
+
+    source = plan.source
+    if isinstance(source.get("recipe"), str) and source["recipe"] != recipe:
+        return f"it was made for recipe {source['recipe']!r}, and this run trains {recipe!r}"
+    if isinstance(source.get("seq"), int) and source["seq"] != seq:
+        return f"it was made for sequence length {source['seq']}, and this run's is {seq}"
+    if plan.global_batch != global_batch:
+        return f"it plans a global batch of {plan.global_batch}, and this run's is {global_batch} (--batch)"
+    if "cluster_spec" in source:
+        try:
+            made_for = parse_cluster(source["cluster_spec"], "its cluster")
+        except ClusterError as error:
+            return str(error)
+        kinds = [(d.ref, d.device_type) for d in made_for.all_devices()]
+        if made_for.name != cluster.name or kinds != [(d.ref, d.device_type) for d in cluster.all_devices()]:
+            return (
+                f"it was made for cluster {made_for.name!r} ({len(kinds)} devices), "
+                f"and this run is on {cluster.name!r} ({len(cluster.all_devices())} devices)"
+            )
+    in_service = {d.ref: d.device_type for d in cluster.devices()}
+    for i, stage in enumerate(plan.stages):
+        for ref in stage.devices:
+            if ref not in in_service:
+                return f"stage {i} uses device {ref!r}, which is not in service on {cluster.name!r}"
+            if in_service[ref] not in stage.device_type.split("+"):
+                return f"stage {i} wants {stage.device_type} devices, and {ref} is a {in_service[ref]}"
+    return None
+
+
 def _load_plan(path: Path | None):
     if path is None:
         return None
-    from orchestrator.planner import Plan
-
-    try:
-        return Plan.load(path)
-    except FileNotFoundError:
-        fail(f"{path}: no such file")
-    except (json.JSONDecodeError, TypeError, KeyError) as error:
-        fail(f"{path} is not a plan: {error}")
+    return plan_or_fail(path)
 
 
 def _cluster_arg(cluster: str) -> str:
@@ -112,38 +168,77 @@ def train_command(
     cluster: Annotated[str, typer.Option(help="Cluster to plan for; its devices must be jax's.")] = "local",
     devices: Annotated[int | None, typer.Option(min=1, help="Use only the cluster's first K devices.")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Total training steps.")] = 100,
-    batch: Annotated[int | None, typer.Option(min=1, help="Global batch (default: the recipe's).")] = None,
-    seq: Annotated[int | None, typer.Option(min=1, help="Sequence length (default: the recipe's).")] = None,
+    batch: Annotated[
+        int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Global batch (default: the recipe's).")
+    ] = None,
+    seq: Annotated[
+        int | None, typer.Option(min=1, max=MAX_SEQ, help="Sequence length (default: the recipe's).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seeds the initial state and every batch.")] = 0,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint after every N steps.")] = 10,
     keep: Annotated[int, typer.Option(min=1, help="Checkpoints kept.")] = 3,
     plan: Annotated[Path | None, typer.Option(help="Execute this plan (JSON) instead of planning.")] = None,
-    time_limit_s: Annotated[float, typer.Option(min=0.1, help="Planner time budget.")] = 10.0,
+    time_limit_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="Planner time budget.")] = 10.0,
 ) -> None:
     """Plan and train a recipe with asynchronous orbax checkpoints; continue later with ``orchestrator resume``."""
     if (run_dir / "run.json").exists():
         fail(f"{run_dir} already holds a run; continue it with: orchestrator resume {run_dir}")
-    _ask_devices(max(8, devices or 0), devices or 1)  # before anything imports jax
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"{run_dir} is a file; --run-dir takes a directory")
+    present = _ask_devices(8, devices or 1)  # before anything imports jax
     from integrations.flax import RunConfig
-    from recipes import RECIPES, RecipeRun
+    from recipes import RecipeRun
 
-    if recipe not in RECIPES:
-        fail(f"unknown recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
-
-    spec = RECIPES[recipe]
-    run = RecipeRun(recipe=recipe, global_batch=batch or spec.batch_size, seq_len=seq or spec.seq_len, seed=seed)
-    config = RunConfig(
-        steps=steps,
-        checkpoint_every=checkpoint_every,
-        keep=keep,
-        cluster=_cluster_arg(cluster),
-        unavailable=_unavailable(cluster, devices),
-        time_limit_s=time_limit_s,
-        plan=_load_plan(plan),
-        metadata=run.to_json(),
-    )
+    spec = recipe_or_fail(recipe)
+    seq = seq_or_fail(spec, seq)
+    global_batch = batch or spec.batch_size
+    spec_cluster = _cluster_on_jax(cluster_or_fail(cluster), present)
+    unavailable = _unavailable(spec_cluster, devices)
+    loaded = _load_plan(plan)
+    if loaded is not None:
+        in_service = dataclasses.replace(spec_cluster, unavailable=spec_cluster.unavailable | set(unavailable))
+        why = _plan_mismatch(loaded, in_service, recipe=recipe, seq=seq, global_batch=global_batch)
+        if why is not None:
+            fail(f"--plan {plan}: {why}")
+    try:
+        run = RecipeRun(recipe=recipe, global_batch=global_batch, seq_len=seq, seed=seed)
+        config = RunConfig(
+            steps=steps,
+            checkpoint_every=checkpoint_every,
+            keep=keep,
+            cluster=_cluster_arg(cluster),
+            unavailable=unavailable,
+            time_limit_s=time_limit_s,
+            plan=loaded,
+            metadata=run.to_json(),
+        )
+    except (KeyError, ValueError) as error:
+        fail(str(error).splitlines()[0])
+    created = not run_dir.exists()
     config.save(run_dir)
-    _run(run_dir, config)
+    try:
+        _run(run_dir, config)
+    except typer.Exit as failed:
+        if failed.exit_code != 0:
+            _discard(run_dir, created)
+        raise
+    except Exception:
+        _discard(run_dir, created)
+        raise
+
+
+def _discard(run_dir: Path, created: bool) -> None:
+    """Take a run that failed before its first checkpoint away again, so the corrected command can be rerun."""
+    import shutil
+
+    from integrations.flax import latest_checkpoint
+
+    if latest_checkpoint(run_dir) is not None:
+        return  # it made progress: resume it
+    (run_dir / "run.json").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def resume_command(
@@ -156,7 +251,9 @@ def resume_command(
     ] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="New total number of steps.")] = None,
     plan: Annotated[Path | None, typer.Option(help="Continue under this plan (JSON).")] = None,
-    time_limit_s: Annotated[float | None, typer.Option(min=0.1, help="Planner time budget.")] = None,
+    time_limit_s: Annotated[
+        float | None, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="Planner time budget.")
+    ] = None,
 ) -> None:
     """Continue a run from its latest checkpoint, on its plan or (resharded) on another cluster or device count."""
     path = run_dir / "run.json"
@@ -167,10 +264,11 @@ def resume_command(
         size = int(stored.get("cluster_size") or 0)
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as error:
         fail(f"{path} is not a run configuration: {error}")
-    _ask_devices(devices or size or 8, devices or 1)
-    import dataclasses
-
+    # the devices the run was made on, unless XLA_FLAGS chooses (a count past what a CPU can play is refused
+    # below, as a cluster that does not match the devices here)
+    present = _ask_devices(min(size, _MAX_VIRTUAL) or 8, devices or 1)
     from integrations.flax import RunConfig, latest_checkpoint
+    from orchestrator.cluster import ClusterError
 
     try:
         config = RunConfig.load(run_dir)
@@ -182,7 +280,7 @@ def resume_command(
     changes: dict = {}
     if cluster is not None or devices is not None:
         name = _cluster_arg(cluster) if cluster is not None else config.cluster
-        changes.update(cluster=name, unavailable=_unavailable(name, devices))
+        changes.update(cluster=name, unavailable=_unavailable(cluster_or_fail(name), devices))
     if steps is not None:
         changes["steps"] = steps
     if time_limit_s is not None:
@@ -192,7 +290,23 @@ def resume_command(
         changes["plan"] = new_plan
     try:
         config = dataclasses.replace(config, **changes)
-    except ValueError as error:
-        fail(str(error))
+        here = config.load_cluster()
+    except (ValueError, ClusterError) as error:
+        fail(str(error).splitlines()[0])
+    _cluster_on_jax(here, present)
+    if config.plan is not None:
+        recipe = config.metadata.get("recipe") if isinstance(config.metadata, dict) else None
+        why = _plan_mismatch(
+            config.plan,
+            here,
+            recipe=recipe or "",
+            seq=config.metadata.get("seq_len", 0),
+            global_batch=config.metadata.get("global_batch", config.plan.global_batch),
+        )
+        if why is not None and new_plan is not None:
+            fail(f"--plan {plan}: {why}")
+        if why is not None:
+            # the devices present are not the ones the plan was made for: train() re-plans onto them
+            Console(stderr=True).print(f"the stored plan does not fit the {present} devices here ({why}); re-planning")
     config.save(run_dir)
     _run(run_dir, config)

@@ -6,6 +6,7 @@ by copying the state to the host and placing it under the next plan.
 """
 
 import dataclasses
+import json
 import shutil
 import signal
 import time
@@ -160,3 +161,19 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one(killed_run
     assert int(final.step) == KILL_STEPS
     assert max_diff(final.params, uninterrupted.params) <= 1e-6
     assert max_diff(final.opt_state, uninterrupted.opt_state) <= 1e-6
+
+
+def test_resume_replans_with_a_message_when_the_stored_plan_names_devices_not_here(killed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run["run_dir"], run_dir)
+    stored = json.loads((run_dir / "run.json").read_text())
+    for stage in stored["plan"]["stages"]:
+        stage["devices"] = [f"elsewhere/{i}" for i in range(len(stage["devices"]))]
+    (run_dir / "run.json").write_text(json.dumps(stored))
+    result = CliRunner().invoke(app, ["resume", str(run_dir), "--steps", str(KILL_STEPS + 1), "--time-limit-s", "2"])
+    assert result.exit_code == 0, result.output
+    assert "the stored plan does not fit the 8 devices here" in result.stderr and "re-planning" in result.stderr
+    assert "re-planned for local" in result.stdout
+    used = {ref for stage in RunConfig.load(run_dir).plan.stages for ref in stage.devices}
+    assert used <= {f"localhost/{i}" for i in range(8)}
+    assert int(read_checkpoint(run_dir, KILL_STEPS).step) == KILL_STEPS + 1
