@@ -7,6 +7,7 @@ exit code 2, never a traceback.
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
@@ -75,8 +76,23 @@ app.command("resume")(resume_command)
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    ctx: typer.Context,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Also show what the solver prints (HiGHS's banner), on stderr.")
+    ] = False,
+) -> None:
     """Plan and run training steps across mixed accelerator clusters."""
+    if verbose:
+        ctx.call_on_close(_show_solver_output)
+
+
+def _show_solver_output() -> None:
+    """HiGHS's banner, kept out of stdout while the command ran (see orchestrator.solver.solver_banner)."""
+    if "orchestrator.solver" in sys.modules:  # no solver ran if it was never imported
+        text = sys.modules["orchestrator.solver"].solver_banner().strip()
+        if text:
+            typer.echo(text, err=True)
 
 
 def main() -> None:

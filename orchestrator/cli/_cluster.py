@@ -1,4 +1,4 @@
-"""``orchestrator cluster show PRESET|FILE``."""
+"""``orchestrator cluster list`` and ``orchestrator cluster show PRESET|FILE``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,46 @@ from rich.table import Table
 from orchestrator.cli._common import cluster_or_fail, si
 
 cluster_app = typer.Typer(help="Inspect cluster presets and files.", no_args_is_help=True)
+
+
+@cluster_app.command("list")
+def list_presets(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON [{name, devices, device_types, hosts}].")] = False,
+) -> None:
+    """List the cluster presets: devices by type, hosts; ``local`` is this machine's jax devices."""
+    import json
+    import sys
+
+    from orchestrator.cluster import load_cluster, preset_names
+
+    rows = []
+    for name in preset_names():
+        if name == "local":  # measuring it starts jax and times a matmul: described, not loaded
+            rows.append({"name": name, "devices": None, "device_types": {}, "hosts": None})
+            continue
+        cluster = load_cluster(name)
+        rows.append(
+            {
+                "name": name,
+                "devices": len(cluster.devices()),
+                "device_types": cluster.counts_by_type(),
+                "hosts": len(cluster.hosts),
+            }
+        )
+    if as_json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    table = Table(title="cluster presets (orchestrator cluster show NAME for the details)")
+    for column in ("name", "devices", "device types", "hosts"):
+        table.add_column(column, justify="right" if column in ("devices", "hosts") else "left")
+    for row in rows:
+        if row["devices"] is None:
+            table.add_row(row["name"], "", "this machine's jax devices, measured", "1")
+        else:
+            types = ", ".join(f"{n} × {kind}" for kind, n in row["device_types"].items())
+            table.add_row(row["name"], str(row["devices"]), types, str(row["hosts"]))
+    Console().print(table)
 
 
 @cluster_app.command("show")

@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -60,7 +61,7 @@ class HighsWithStart(pulp.HiGHS):
         self.model_status = ""
 
     def createAndConfigureSolver(self, lp):
-        with _banner_to_stderr():
+        with _captured_banner():
             super().createAndConfigureSolver(lp)
 
     def buildSolverModel(self, lp):
@@ -142,33 +143,44 @@ def load_model(highs, lp: pulp.LpProblem, *, integer: bool = True) -> list:
 
 _banner_shown = False
 _banner_lock = threading.Lock()
+_banner = ""
+
+
+def solver_banner() -> str:
+    """What HiGHS wrote to stdout while this process built its first ``Highs()`` (its copyright banner),
+    or "" before that; ``orchestrator --verbose`` shows it."""
+    return _banner
 
 
 @contextlib.contextmanager
-def _banner_to_stderr():
-    """Send what C++ writes to stdout while the first ``Highs()`` of the process is built to stderr.
+def _captured_banner():
+    """Capture what C++ writes to stdout while the first ``Highs()`` of the process is built.
 
-    highspy 1.16 prints its copyright banner on file descriptor 1 when the first
-    ``Highs`` object is constructed, before PuLP can set ``output_flag``; on
-    stdout it would corrupt ``orchestrator ... --json``.
+    highspy 1.16 prints its copyright banner on file descriptor 1 when the first ``Highs``
+    object is constructed, before PuLP can set ``output_flag``: on stdout it would corrupt
+    ``orchestrator ... --json``, and on stderr it would repeat in every process of a planner's
+    workers. It is kept for :func:`solver_banner` instead.
     """
-    global _banner_shown
+    global _banner_shown, _banner
     if _banner_shown:
         yield
         return
-    with _banner_lock:  # two threads swapping descriptor 1 at once could leave stdout on stderr
+    with _banner_lock:  # two threads swapping descriptor 1 at once could leave stdout redirected
         if _banner_shown:
             yield
             return
         sys.stdout.flush()
         saved = os.dup(1)
-        try:
-            os.dup2(2, 1)
-            yield
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-            _banner_shown = True
+        with tempfile.TemporaryFile() as sink:
+            try:
+                os.dup2(sink.fileno(), 1)
+                yield
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+                _banner_shown = True
+                sink.seek(0)
+                _banner = sink.read().decode("utf-8", "replace")
 
 
 def _interrupt_at(highs, deadline_s: float | Callable[[], float]) -> None:
@@ -280,7 +292,7 @@ def highs_lp(cost, upper, rows: list) -> object:
     import numpy as np
 
     inf = highspy.kHighsInf
-    with _banner_to_stderr():
+    with _captured_banner():
         highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("threads", 1)

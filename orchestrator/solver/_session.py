@@ -19,7 +19,7 @@ import time
 
 import pulp
 
-from orchestrator.solver._highs import SolveResult, _banner_to_stderr, _interrupt_at, certified, load_model
+from orchestrator.solver._highs import SolveResult, _captured_banner, _interrupt_at, certified, load_model
 
 
 class HighsSession:
@@ -28,7 +28,7 @@ class HighsSession:
     def __init__(self, problem: pulp.LpProblem, *, threads: int = 1, options: dict | None = None):
         import highspy
 
-        with _banner_to_stderr():
+        with _captured_banner():
             self.highs = highspy.Highs()
         self.highs.setOptionValue("output_flag", False)
         self.highs.setOptionValue("threads", threads)

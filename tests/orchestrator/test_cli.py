@@ -46,7 +46,8 @@ def test_too_long_sequence_is_a_clear_error():
 
 
 def test_json_on_stdout_is_pure_json_in_a_real_process():
-    """The solver's C++ banner (highspy 1.16 prints one per process) must not reach stdout."""
+    """The solver's C++ banner (highspy 1.16 prints one per process) reaches neither stdout nor stderr, unless
+    ``--verbose`` asks for it (on stderr)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -56,3 +57,8 @@ def test_json_on_stdout_is_pure_json_in_a_real_process():
     done = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["global_batch"] == 16
+    assert "Copyright" not in done.stderr
+    verbose = subprocess.run([str(script), "--verbose", *args], capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 0, verbose.stderr
+    assert json.loads(verbose.stdout)["global_batch"] == 16
+    assert "HiGHS" in verbose.stderr and "Copyright" in verbose.stderr

@@ -222,6 +222,21 @@ def test_cluster_show_prints_the_preset():
     assert "32 devices in service" in result.stdout
 
 
+def test_cluster_list_names_every_preset_with_its_devices():
+    import json
+
+    table = CliRunner().invoke(app, ["cluster", "list"])
+    assert table.exit_code == 0, table.output
+    for name in preset_names():
+        assert name in table.stdout
+    listed = CliRunner().invoke(app, ["cluster", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = {row["name"]: row for row in json.loads(listed.stdout)}
+    assert set(rows) == set(preset_names())
+    assert rows["mixed-a100-v100"]["devices"] == 32
+    assert rows["mixed-a100-v100"]["device_types"] == {"a100": 16, "v100": 16}
+
+
 def test_local_cluster_shares_the_cores_this_process_may_use(tmp_path):
     # restricted to one core (as taskset or a container's CPU set would), the 8 virtual devices share one
     import os
