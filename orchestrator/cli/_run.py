@@ -164,15 +164,20 @@ def _run(run_dir: Path, config) -> None:
 
 def train_command(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="New directory for run.json and checkpoints.")],
-    recipe: Annotated[str, typer.Option(help="Recipe to train.")] = "gpt-tiny",
-    cluster: Annotated[str, typer.Option(help="Cluster to plan for; its devices must be jax's.")] = "local",
+    recipe: Annotated[str | None, typer.Option(help="Recipe to train (default: the --plan's, else gpt-tiny).")] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(help="Cluster to plan for; its devices must be jax's (default: the --plan's, else local)."),
+    ] = None,
     devices: Annotated[int | None, typer.Option(min=1, help="Use only the cluster's first K devices.")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Total training steps.")] = 100,
     batch: Annotated[
-        int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Global batch (default: the recipe's).")
+        int | None,
+        typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Global batch (default: the --plan's, else the recipe's)."),
     ] = None,
     seq: Annotated[
-        int | None, typer.Option(min=1, max=MAX_SEQ, help="Sequence length (default: the recipe's).")
+        int | None,
+        typer.Option(min=1, max=MAX_SEQ, help="Sequence length (default: the --plan's, else the recipe's)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seeds the initial state and every batch.")] = 0,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint after every N steps.")] = 10,
@@ -189,12 +194,17 @@ def train_command(
     from integrations.flax import RunConfig
     from recipes import RecipeRun
 
-    spec = recipe_or_fail(recipe)
-    seq = seq_or_fail(spec, seq)
-    global_batch = batch or spec.batch_size
-    spec_cluster = _cluster_on_jax(cluster_or_fail(cluster), present)
-    unavailable = _unavailable(spec_cluster, devices)
     loaded = _load_plan(plan)
+    # what the command line leaves out comes from the plan (it names its recipe and shape and embeds its
+    # cluster), so `train --plan FILE` runs what `orchestrator plan` planned, from any directory
+    made_for = _plan_defaults(loaded, plan)
+    recipe = recipe or made_for.get("recipe") or "gpt-tiny"
+    spec = recipe_or_fail(recipe)
+    seq = seq_or_fail(spec, seq or made_for.get("seq"))
+    global_batch = batch or made_for.get("global_batch") or spec.batch_size
+    embedded = made_for.get("cluster") if cluster is None else None
+    spec_cluster = _cluster_on_jax(embedded or cluster_or_fail(cluster or "local"), present)
+    unavailable = _unavailable(spec_cluster, devices)
     if loaded is not None:
         in_service = dataclasses.replace(spec_cluster, unavailable=spec_cluster.unavailable | set(unavailable))
         why = _plan_mismatch(loaded, in_service, recipe=recipe, seq=seq, global_batch=global_batch)
@@ -206,7 +216,7 @@ def train_command(
             steps=steps,
             checkpoint_every=checkpoint_every,
             keep=keep,
-            cluster=_cluster_arg(cluster),
+            cluster=str((run_dir / "cluster.yaml").absolute()) if embedded else _cluster_arg(cluster or "local"),
             unavailable=unavailable,
             time_limit_s=time_limit_s,
             plan=loaded,
@@ -215,6 +225,13 @@ def train_command(
     except (KeyError, ValueError) as error:
         fail(str(error).splitlines()[0])
     created = not run_dir.exists()
+    if embedded:
+        import yaml
+
+        from orchestrator.cluster import cluster_to_dict
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "cluster.yaml").write_text(yaml.safe_dump(cluster_to_dict(embedded), sort_keys=False))
     config.save(run_dir)
     try:
         _run(run_dir, config)
@@ -227,6 +244,29 @@ def train_command(
         raise
 
 
+def _plan_defaults(plan, path) -> dict:
+    """The recipe, seq, global batch and cluster ``plan`` was made for, those it records (none without a plan).
+
+    The ``local`` cluster is not taken from the plan: it is this machine's, measured now.
+    """
+    if plan is None:
+        return {}
+    source = plan.source
+    found: dict = {"global_batch": plan.global_batch}
+    if isinstance(source.get("recipe"), str):
+        found["recipe"] = source["recipe"]
+    if isinstance(source.get("seq"), int) and not isinstance(source["seq"], bool):
+        found["seq"] = source["seq"]
+    if isinstance(source.get("cluster_spec"), dict) and source["cluster_spec"].get("name") != "local":
+        from orchestrator.cluster import ClusterError, parse_cluster
+
+        try:
+            found["cluster"] = parse_cluster(source["cluster_spec"], f"{path}: source.cluster_spec")
+        except ClusterError as error:
+            fail(str(error))
+    return found
+
+
 def _discard(run_dir: Path, created: bool) -> None:
     """Take a run that failed before its first checkpoint away again, so the corrected command can be rerun."""
     import shutil
@@ -236,6 +276,7 @@ def _discard(run_dir: Path, created: bool) -> None:
     if latest_checkpoint(run_dir) is not None:
         return  # it made progress: resume it
     (run_dir / "run.json").unlink(missing_ok=True)
+    (run_dir / "cluster.yaml").unlink(missing_ok=True)
     shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
     if created:
         shutil.rmtree(run_dir, ignore_errors=True)

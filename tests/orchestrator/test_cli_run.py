@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from integrations.flax import RunConfig
 from orchestrator.cli import app
+from orchestrator.planner import Plan
 
 runner = CliRunner()
 TRAIN = ["train", "--recipe", "gpt-tiny", "--batch", "16", "--seq", "16", "--steps", "2", "--time-limit-s", "2"]
@@ -89,3 +90,17 @@ def test_a_corrupt_run_json_is_one_line(tmp_path):
     data["steps"] = "many"
     (tmp_path / "run.json").write_text(json.dumps(data))
     refused(["resume", str(tmp_path)], "is not a run configuration")
+
+
+def test_train_plan_runs_what_was_planned_from_any_directory(tmp_path, tiny_plan, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["train", "--run-dir", "run", "--plan", str(tiny_plan), "--steps", "1"])
+    assert result.exit_code == 0, result.output
+    config = RunConfig.load(tmp_path / "run")
+    assert config.cluster == str(tmp_path / "run" / "cluster.yaml")  # the plan's cluster travels with the run
+    assert {k: config.metadata[k] for k in ("recipe", "global_batch", "seq_len")} == {
+        "recipe": "gpt-tiny",
+        "global_batch": 16,
+        "seq_len": 16,
+    }
+    assert config.plan.stages == Plan.load(tiny_plan).stages
