@@ -11,14 +11,16 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from orchestrator.cli._common import recipe_or_fail
+from orchestrator.cli._common import MAX_GLOBAL_BATCH, MAX_SEQ, recipe_or_fail, seq_or_fail
 
 
 def profile_command(
     recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small.")] = "gpt2-small",
-    batch_size: Annotated[int, typer.Option(min=1, help="Samples per profiled step.")] = 1,
-    seq_len: Annotated[int | None, typer.Option(min=1, help="Sequence length (default: the recipe's).")] = None,
-    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per piece (median taken).")] = 5,
+    batch_size: Annotated[int, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Samples per profiled step.")] = 1,
+    seq_len: Annotated[
+        int | None, typer.Option(min=1, max=MAX_SEQ, help="Sequence length (default: the recipe's).")
+    ] = None,
+    repeats: Annotated[int, typer.Option(min=1, max=1000, help="Timed runs per piece (median taken).")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Measure forward/backward/optimizer time of every distinct layer (cached on disk) and calibrate efficiencies."""
@@ -31,6 +33,7 @@ def profile_command(
     from orchestrator.profile import calibrate
 
     spec = recipe_or_fail(recipe)
+    seq_len = seq_or_fail(spec, seq_len, "--seq-len")
     state, batch = spec.abstract_state(), spec.batch_spec(batch_size, seq_len)
     graph = capture(spec.train_step, state, batch)
     layers = coarsen(graph)

@@ -61,6 +61,8 @@ def test_absurd_batch_is_refused_with_the_largest_accepted():
 
 def test_sequence_past_the_model_is_one_line():
     one_line_error(["plan", "--recipe", "gpt2-small", "--seq", "2048"], "max_seq_len 1024; pass --seq 1024 or less")
+    one_line_error(["profile", "--recipe", "gpt-tiny", "--seq-len", "100"], "max_seq_len 64; pass --seq-len 64")
+    one_line_error(["graph", "--recipe", "gpt-tiny", "--seq-len", "100"], "max_seq_len 64; pass --seq-len 64")
 
 
 def test_options_out_of_range_and_unknown_options_are_one_line():
