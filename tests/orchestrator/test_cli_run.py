@@ -40,6 +40,9 @@ def test_a_run_that_fails_validation_leaves_no_run_directory(tmp_path):
     refused([*TRAIN, "--run-dir", str(run_dir), "--cluster", "mixed-a100-v100"], "has 32 devices and there are 8")
     refused([*TRAIN, "--run-dir", str(run_dir), "--devices", "16"], "--devices 16: there are 8 jax devices here")
     refused([*TRAIN, "--run-dir", str(run_dir), "--recipe", "gpt-5"], "unknown recipe 'gpt-5'")
+    refused([*TRAIN, "--run-dir", str(run_dir), "--plan", str(tmp_path)], "is a directory")
+    (tmp_path / "plan.json").write_bytes(b"\xff\xfe")
+    refused([*TRAIN, "--run-dir", str(run_dir), "--plan", str(tmp_path / "plan.json")], "is not UTF-8 text")
     assert not run_dir.exists()
 
 
