@@ -122,7 +122,11 @@ class Policy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
-    """The cost model's verdict on one match, with the estimates behind it."""
+    """The cost model's verdict on one match, with the estimates behind it.
+
+    ``replaced`` lists, for a rewrite, each equation of the written form that no longer runs
+    (``"exp f32[2,2048,1536,16]"``), in program order: exactly what the kernel stands in for.
+    """
 
     rewrite: bool
     reason: str
@@ -133,6 +137,7 @@ class Decision:
     memory_bytes_rewritten: int = 0
     time_s_written: float = 0.0
     time_s_rewritten: float = 0.0
+    replaced: tuple[str, ...] = ()  # filled by the rewrite: the equations the kernel takes the place of
 
 
 def _pow2_fit(limit: int, divides: tuple[int, ...], fits) -> int | None:

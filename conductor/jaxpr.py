@@ -32,7 +32,7 @@ from jax.extend import core as jcore
 JIT_PRIMITIVES = ("jit", "pjit")
 REMAT_PRIMITIVES = ("checkpoint", "remat2")
 
-__all__ = ["Planner", "Substitution", "evaluate", "flatten", "scope_of"]
+__all__ = ["Planner", "Substitution", "evaluate", "flatten", "replaced_by", "scope_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,12 @@ def _needed(jaxpr, subs: dict[int, Substitution]) -> list[int]:
             keep[i] = 2
             live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
     return keep
+
+
+def replaced_by(jaxpr: jcore.Jaxpr, substitution: Substitution) -> list[int]:
+    """The equations of ``jaxpr`` that are no longer evaluated once ``substitution`` is in place."""
+    before, after = _needed(jaxpr, {}), _needed(jaxpr, {substitution.anchor: substitution})
+    return [i for i, (b, a) in enumerate(zip(before, after)) if b and a != 2]
 
 
 def evaluate(jaxpr: jcore.Jaxpr, consts, args, *, plan: Planner = _no_substitutions, path: tuple[str, ...] = ()):

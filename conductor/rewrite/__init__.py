@@ -9,6 +9,7 @@ compose with it and the backward pass uses the kernels' custom VJPs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from conductor.decide import Decision, Policy, decide
-from conductor.jaxpr import evaluate, flatten
+from conductor.jaxpr import evaluate, flatten, replaced_by
 from conductor.match import Match, find
 from conductor.rewrite._substitute import substitution
 
@@ -97,7 +98,7 @@ def optimize(fn: Callable, *, policy: Policy | None = None) -> Callable:
                 return fn(*a, **kw)
 
             closed, out_tree = flatten(pure, *avals)
-            found = [(m, decide(m, policy)) for m in find(closed)]
+            found = [(m, _with_replaced(m, decide(m, policy))) for m in find(closed)]
             chosen = [(m, d) for m, d in found if d.rewrite]
             cache[key] = _Entry(closed, out_tree, chosen, found)
         return cache[key], [leaves[i] for i in dynamic]
@@ -146,16 +147,47 @@ def optimize(fn: Callable, *, policy: Policy | None = None) -> Callable:
         return jax.tree.unflatten(entry.out_tree, outs)
 
     def inspect_calls(*args, **kwargs) -> list[tuple[Match, Decision]]:
-        return list(entry_for(args, kwargs)[0].all)
+        if not any(_is_train_state(a) for a in args):
+            return list(entry_for(args, kwargs)[0].all)
+        # a train step: what gets rewritten is the state's apply_fn, so report its calls in the step
+        found: list[tuple[Match, Decision]] = []
+
+        def recording(x):
+            fast_apply = with_optimized_apply(x).apply_fn
+
+            def apply(*a, **kw):
+                found.extend(fast_apply.inspect(*a, **kw))
+                return fast_apply(*a, **kw)
+
+            return x.replace(apply_fn=apply)
+
+        def step(*a, **kw):
+            return fn(*[recording(x) if _is_train_state(x) else x for x in a], **kw)
+
+        jax.eval_shape(step, *args, **kwargs)
+        return found
 
     optimized.inspect = inspect_calls  # type: ignore[attr-defined]
     return optimized
 
 
+def _with_replaced(match: Match, decision: Decision) -> Decision:
+    if not decision.rewrite or match.level is None:
+        return decision
+    eqns = match.level.eqns
+    removed = replaced_by(match.level, substitution(match, decision))
+    described = tuple(
+        f"{eqns[i].primitive.name} {' '.join(v.aval.str_short() for v in eqns[i].outvars)}" for i in removed
+    )
+    return dataclasses.replace(decision, replaced=described)
+
+
 def inspect(fn: Callable, *args, policy: Policy | None = None, **kwargs) -> list[tuple[Match, Decision]]:
     """The matches in ``fn(*args, **kwargs)`` (arrays or ``jax.ShapeDtypeStruct``s) with the decision on each.
 
-    Each entry is (:class:`Match`, :class:`Decision`): scope, pattern, shapes, and the
-    estimated memory and time as written vs rewritten on the policy's device.
+    Each entry is (:class:`Match`, :class:`Decision`): scope, pattern, shapes, the estimated memory
+    and time as written vs rewritten on the policy's device, and for each rewrite the equations it
+    replaces (``Decision.replaced``). For a train step taking a Flax ``TrainState`` the entries are
+    those of the state's ``apply_fn`` as the step calls it, which is what :func:`optimize` rewrites.
     """
     return optimize(fn, policy=policy).inspect(*args, **kwargs)

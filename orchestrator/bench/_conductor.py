@@ -200,6 +200,48 @@ def attention_memory_cases(seqs=(1024, 4096, 8192), progress=lambda name: None) 
     return cases
 
 
+def _sum_grads(fn: Callable):
+    """Gradients of Σ fn(q, k, v) with respect to q, k and v (a training step of one attention call)."""
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
+def attention_spelling_memory_cases(
+    seq: int = 8192, *, spellings=None, min_ratio: float = 32.0, progress=lambda name: None
+) -> list[Claim]:
+    """Every causal spelling in fp32 and bf16, MHA (8 kv heads) and GQA (2): the step's temp memory
+    as written vs through ``conductor.optimize`` with the default policy (compile only)."""
+    import conductor
+
+    cases = []
+    for name in spellings or [n for n, (_, causal) in ATTENTION_SPELLINGS.items() if causal]:
+        fn = ATTENTION_SPELLINGS[name][0]
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for kv_heads in (8, 2):
+                label = f"attention_spelling_memory_{name}_{jnp.dtype(dtype).name}_{'mha' if kv_heads == 8 else 'gqa'}"
+                progress(label)
+                q, k, v, _ = attention_specs(seq, kv_heads=kv_heads)
+                q, k, v = (jax.ShapeDtypeStruct(x.shape, dtype) for x in (q, k, v))
+                found = conductor.inspect(fn, q, k, v)
+                written = temp_bytes(_sum_grads(fn), q, k, v)
+                rewritten = temp_bytes(_sum_grads(conductor.optimize(fn)), q, k, v)
+                decided = [d.rewrite for _, d in found]
+                cases.append(
+                    Claim(
+                        name=label,
+                        ok=decided == [True] and written / rewritten >= min_ratio,
+                        figures={
+                            "seq": seq,
+                            "rewritten_by_default": decided == [True],
+                            "written_temp_bytes": written,
+                            "rewritten_temp_bytes": rewritten,
+                            "ratio": written / rewritten,
+                            "target_ratio": min_ratio,
+                        },
+                    )
+                )
+    return cases
+
+
 def attention_numerics_cases(seq: int = 256, progress=lambda name: None) -> list[Claim]:
     """Pallas (interpreted on CPU) and ``xla_chunked`` vs the reference: forward ≤ 2e-6, gradients ≤ 1e-5."""
     cases = []
@@ -418,11 +460,13 @@ def all_cases(*, quick: bool = False, progress=lambda name: None) -> list[Claim]
     if quick:
         return (
             attention_memory_cases(seqs=(256, 512), progress=progress)
+            + attention_spelling_memory_cases(1024, spellings=("einsum_tril",), min_ratio=1.0, progress=progress)
             + scan_memory_case(batch=1, seq=256, d_inner=32, d_state=8, min_ratio=2.0)
             + export_cases(progress=progress)
         )
     return (
         attention_memory_cases(progress=progress)
+        + attention_spelling_memory_cases(progress=progress)
         + attention_numerics_cases(progress=progress)
         + scan_cases(progress=progress)
         + [scan_pallas_case(progress=progress)]

@@ -19,3 +19,7 @@ def test_bench_conductor_quick_json():
     memory = cases["attention_memory_growth"]
     assert memory["rewritten_growth"] < memory["naive_growth"]
     assert cases["scan_memory"]["rewritten_temp_bytes"] < cases["scan_memory"]["written_temp_bytes"]
+    spellings = [c for name, c in cases.items() if name.startswith("attention_spelling_memory_")]
+    assert len(spellings) == 4  # fp32 and bf16, MHA and GQA
+    for case in spellings:  # found, rewritten by default, and smaller already at T=1024
+        assert case["rewritten_by_default"] and case["rewritten_temp_bytes"] < case["written_temp_bytes"], case

@@ -134,3 +134,17 @@ def test_optimize_of_a_train_step_rewrites_the_model_inside():
     new_state, fast = jax.jit(fast_step)(state, batch)
     assert new_state.apply_fn is state.apply_fn  # the caller's state structure comes back
     np.testing.assert_allclose(float(fast["loss"]), float(plain["loss"]), atol=1e-5)
+
+
+def test_inspect_of_a_train_step_reports_what_each_rewrite_replaces():
+    r = get_recipe("mamba-tiny")
+    state, batch = r.abstract_state(), r.batch_spec(2, 256)
+    found = conductor.inspect(train_step, state, batch)  # the model's scans, as optimize(train_step) rewrites them
+    assert [(m.pattern, m.scope, d.rewrite) for m, d in found] == [
+        ("selective_scan", f"Mamba/layers_{i}/mixer", True) for i in range(r.config.num_layers)
+    ]
+    b, t, di, n = 2, 256, r.config.d_inner, r.config.d_state
+    for _, decision in found:  # the (B, T, D, N) discretisation and the scan over time are what goes
+        assert f"exp float32[{b},{t},{di},{n}]" in decision.replaced
+        assert any(e.startswith("scan ") for e in decision.replaced)
+        assert not any(e.startswith("dot_general") for e in decision.replaced)  # the projections stay
