@@ -240,4 +240,25 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ClusterError(f"{source}: not valid YAML{where}: {getattr(error, 'problem', error)}") from None
+    except RecursionError:
+        raise ClusterError(f"{source}: nested too deeply to be a cluster file") from None
+    if _expanded_size(data, _MAX_VALUES) > _MAX_VALUES:
+        # YAML aliases can repeat a block exponentially often; validating every copy would never end
+        raise ClusterError(f"{source}: more than {_MAX_VALUES} values once YAML aliases are expanded")
     return parse_cluster(data, source)
+
+
+_MAX_VALUES = 1_000_000
+
+
+def _expanded_size(data: object, limit: int) -> int:
+    """How many values ``data`` holds with every alias counted again, counting no further than ``limit`` + 1."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count

@@ -251,3 +251,14 @@ def test_local_cluster_shares_the_cores_this_process_may_use(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
     assert load_cluster("local").shared_cores == len(os.sched_getaffinity(0))
+
+
+def test_alias_bombs_and_deep_nesting_are_refused_in_one_line(tmp_path):
+    bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    bomb += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
+    with pytest.raises(ClusterError, match="more than 1000000 values once YAML aliases are expanded"):
+        load_cluster(tmp_path / "bomb.yaml")
+    (tmp_path / "deep.yaml").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ClusterError, match="nested too deeply"):
+        load_cluster(tmp_path / "deep.yaml")
