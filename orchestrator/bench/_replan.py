@@ -10,10 +10,13 @@ Every case is a dict with ``name`` and ``ok``; re-plans also carry ``warm_s``, `
   solve to 1e-6 (both proven optimal);
 * **migration** — the same loss: amortised over one step, moving state costs more than it
   gains and the warm plan keeps every surviving layer in place, where the free optimum moves some;
-* **gpt-13b × mixed-4type-64 minus one host** (one case per device type; not in ``--quick``): the
-  fast repair (``widen=False``, ``certify=False``) against a cold solve of the same cluster
-  with ``time_limit_s``; ok when the repair takes at most 0.3 s, its step time is within the
-  cold solve's reported gap of the cold step time, and asking again hits the cache (< 50 ms);
+* **gpt-13b × mixed-4type-64 minus one host** (one case per host the plan uses; not in
+  ``--quick``): the re-plan (``widen=False``: the repair where the solve-free bound certifies
+  it, otherwise the full search seeded with it, in ``time_limit_s``) against a cold solve of the
+  same cluster in the same time; ok when its step time is at most 1% above the cold one, it
+  took at most 0.3 s where the repair sufficed and the caller's budget where it widened, and
+  asking again hits the cache (< 50 ms). ``path`` is the re-plan's first note (what it did);
+  ``bound_warm``/``bound_cold`` the certified lower bounds;
 * **runtime** (``_recovery``; not in ``--quick``, skipped with ``--no-runtime``) — a SIGKILLed
   training run resumes to the uninterrupted parameters (1e-6), and a run that loses 4 of 8 devices
   re-plans, restores and ends equal to a run that switched plans at the restored step (1e-5). The
@@ -102,7 +105,7 @@ def small_cases() -> list[dict]:
 
 
 def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
-    """gpt-13b × mixed-4type-64: plan, then lose one host of each device type the plan uses."""
+    """gpt-13b × mixed-4type-64: plan, then lose each host the plan uses, one at a time."""
     from orchestrator.bench._planner import captured_model
 
     if progress:
@@ -111,22 +114,24 @@ def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
     if progress:
         progress("planning gpt-13b × mixed-4type-64")
     before = plan(model, global_batch=512, time_limit_s=time_limit_s, mixed_stages=False)
+    hosts = sorted({ref.split("/")[0] for stage in before.stages for ref in stage.devices})
+    # the step time alone, as the cold solve minimises it (the migration case covers the moving cost)
+    settings = {"time_limit_s": time_limit_s, "widen": False, "horizon_steps": None, "mixed_stages": False}
     cases = []
-    for stage in before.stages:
-        host = stage.devices[-1].split("/")[0]
+    for host in hosts:
         if progress:
             progress(f"re-planning without {host}")
-
+        name = f"gpt-13b × mixed-4type-64 minus {host}"
         after = _without_host(model, host, model.with_cluster)
         started = time.perf_counter()
         try:
-            warm = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False, mixed_stages=False)
+            warm = replan(before, after, **settings)
         except (PlanNotFound, PlanInfeasible) as error:
-            cases.append({"name": f"gpt-13b × mixed-4type-64 minus {host}", "ok": False, "error": str(error)})
+            cases.append({"name": name, "ok": False, "error": str(error)})
             continue
         warm_s = time.perf_counter() - started
         started = time.perf_counter()
-        hit = replan(before, after, time_limit_s=time_limit_s, widen=False, certify=False, mixed_stages=False)
+        hit = replan(before, after, **settings)
         cache_s = time.perf_counter() - started
         started = time.perf_counter()
         try:
@@ -134,20 +139,27 @@ def large_cases(*, time_limit_s: float, progress=None) -> list[dict]:
         except (PlanNotFound, PlanInfeasible) as error:
             cold, cold_error = None, str(error)
         cold_s = time.perf_counter() - started
+        repaired = "widened" not in warm.notes[0]  # the repair sufficed: no full search
         case = {
-            "name": f"gpt-13b × mixed-4type-64 minus {host}",
+            "name": name,
+            "path": warm.notes[0],
             "warm_s": warm_s,
             "cache_s": cache_s,
             "cold_s": cold_s,
             "objective_warm": warm.iteration_s,
             "objective_cold": cold.iteration_s if cold else None,
+            "bound_warm": warm.bound,
+            "bound_cold": cold.bound if cold else None,
+            "gap_warm": warm.gap,
             "gap_cold": cold.gap if cold else None,
         }
         if cold is None:
             case.update(ok=False, error=f"cold solve: {cold_error}")
         else:
-            within = abs(warm.iteration_s - cold.iteration_s) <= cold.gap * max(warm.iteration_s, cold.iteration_s)
-            case["ok"] = warm_s <= 0.3 and within and hit is warm and cache_s < 0.05
+            # within 1% of the cold step time (or better), in 0.3 s where the repair sufficed and in the
+            # caller's budget where it widened (plus the plan's construction after the search ends)
+            fast = warm_s <= (0.3 if repaired else time_limit_s * 1.05 + 0.5)
+            case["ok"] = warm.iteration_s <= cold.iteration_s * 1.01 and fast and hit is warm and cache_s < 0.05
         cases.append(case)
     return cases
 
