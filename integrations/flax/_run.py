@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -111,9 +112,18 @@ class RunConfig:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "checkpoint_every", "keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}")
+        # run.json is a file people edit: every field is checked, so a bad one fails here in one line
+        for name in ("steps", "checkpoint_every", "keep", "cluster_size"):
+            value, least = getattr(self, name), 0 if name == "cluster_size" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"RunConfig.{name} must be a whole number >= {least}, got {value!r}")
+        limit = self.time_limit_s
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
+            raise ValueError(f"RunConfig.time_limit_s must be a finite number > 0, got {limit!r}")
+        if not isinstance(self.cluster, str) or not all(isinstance(ref, str) for ref in self.unavailable):
+            raise ValueError("RunConfig.cluster and RunConfig.unavailable hold names (strings)")
+        if not isinstance(self.metadata, Mapping):
+            raise ValueError(f"RunConfig.metadata must be a JSON object, got {type(self.metadata).__name__}")
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -371,7 +381,9 @@ def train(
         config = dataclasses.replace(
             config, plan=_replan(config.plan, _cost_model(model, cluster), config, global_batch)
         )
-        say(f"re-planned for {_describe_cluster(cluster)} in {time.perf_counter() - t0:.2f} s")
+        # replan's first note: what was lost, how the plan changed, the predicted step before and after
+        why = next((f" {n.removeprefix('re-planned ')}" for n in config.plan.notes if n.startswith("re-planned")), "")
+        say(f"re-planned for {_describe_cluster(cluster)} in {time.perf_counter() - t0:.2f} s{why}")
     config.save(run_dir)
 
     checkpoints = Checkpointer(run_dir / CHECKPOINT_DIR, every=config.checkpoint_every, keep=config.keep)

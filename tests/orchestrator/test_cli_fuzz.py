@@ -263,3 +263,30 @@ def test_garbled_plan_bytes_are_refused_in_one_line_or_read_soundly(tmp_path, pl
     path = tmp_path / "plan.json"
     path.write_bytes(raw)
     _simulate_checked(path)
+
+
+# train and resume are fuzzed on a 32-device cluster, which the 8 devices here cannot run: a file that
+# passes validation ends at that refusal, so no example trains
+ELSEWHERE = ["--cluster", "mixed-a100-v100"]
+
+
+@settings(FUZZ, max_examples=15)
+@given(data=st.data())
+def test_train_with_a_mutated_plan_refuses_in_one_line(tmp_path, plan_json, data):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data.draw(mutated(plan_json))))
+    run_dir = tmp_path / "run"
+    result = run(["train", "--run-dir", str(run_dir), "--plan", str(path), *ELSEWHERE])
+    assert result.exit_code == 2 and not (run_dir / "run.json").exists()
+
+
+@settings(FUZZ, max_examples=15)
+@given(data=st.data())
+def test_resume_of_a_mutated_run_json_refuses_in_one_line(tmp_path, plan_json, data):
+    from integrations.flax import RunConfig
+    from recipes import RecipeRun
+
+    recipe = RecipeRun(recipe="gpt-tiny", global_batch=8, seq_len=16)
+    config = RunConfig(steps=4, plan=Plan.from_json(plan_json), metadata=recipe.to_json())
+    (tmp_path / "run.json").write_text(json.dumps(data.draw(mutated(config.to_json()))))
+    assert run(["resume", str(tmp_path), *ELSEWHERE]).exit_code == 2

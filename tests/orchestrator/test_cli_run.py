@@ -87,12 +87,22 @@ def test_resume_refuses_a_cluster_larger_than_the_devices_here(tmp_path):
     assert (tmp_path / "run.json").read_text() == before
 
 
-def test_a_corrupt_run_json_is_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("steps", "many", "RunConfig.steps must be a whole number >= 1, got 'many'"),
+        ("time_limit_s", float("nan"), "RunConfig.time_limit_s must be a finite number > 0, got nan"),
+        ("keep", 2.5, "RunConfig.keep must be a whole number >= 1, got 2.5"),
+        ("metadata", [], "RunConfig.metadata must be a JSON object"),
+    ],
+)
+def test_a_corrupt_run_json_is_one_line(tmp_path, field, value, expected):
     RunConfig(steps=2, metadata={"recipe": "gpt-tiny"}).save(tmp_path)
     data = json.loads((tmp_path / "run.json").read_text())
-    data["steps"] = "many"
+    data[field] = value
     (tmp_path / "run.json").write_text(json.dumps(data))
-    refused(["resume", str(tmp_path)], "is not a run configuration")
+    line = refused(["resume", str(tmp_path)], "is not a run configuration")
+    assert expected in line
 
 
 def test_train_plan_runs_what_was_planned_from_any_directory(tmp_path, tiny_plan, monkeypatch):
