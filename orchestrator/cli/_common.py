@@ -20,8 +20,8 @@ MAX_SEQ = 1 << 20  # tokens per sample
 MAX_STAGES = 64
 MAX_TIME_LIMIT_S = 86400.0
 
-# set by a command's --json for the length of that command: its errors go to stdout as JSON too, so a
-# script reading stdout sees an answer whatever happened
+# set by the entry point for the length of a command run with --json: its errors go to stdout as JSON too,
+# so a script reading stdout sees an answer whatever happened
 _JSON_ERRORS: ContextVar[bool] = ContextVar("json_errors", default=False)
 
 
@@ -62,9 +62,11 @@ def recipe_or_fail(name: str):
 def seq_or_fail(spec, seq: int | None, flag: str = "--seq") -> int:
     """``seq`` (the recipe's own if None), or a one-line error if the recipe's model cannot take it."""
     seq = seq or spec.seq_len
-    limit = getattr(spec.config, "max_seq_len", None) or MAX_SEQ
-    if seq > limit:
+    limit = getattr(spec.config, "max_seq_len", None)
+    if limit is not None and seq > limit:
         fail(f"{flag} {seq} exceeds {spec.name}'s max_seq_len {limit}; pass {flag} {limit} or less")
+    if seq > MAX_SEQ:
+        fail(f"{flag} {seq} is past the longest sequence accepted, {MAX_SEQ}")
     return seq
 
 
