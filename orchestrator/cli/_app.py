@@ -35,6 +35,9 @@ class _OneLineErrors(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         args = list(sys.argv[1:] if args is None else args)
+        if "--verbose" in args[1:]:  # the root's option, accepted after the command too (plan ... --verbose)
+            args.remove("--verbose")
+            args.insert(0, "--verbose")
         as_json = "--json" in args
         try:
             with json_errors(as_json):
@@ -79,7 +82,10 @@ app.command("resume")(resume_command)
 def _root(
     ctx: typer.Context,
     verbose: Annotated[
-        bool, typer.Option("--verbose", help="Also show what the solver prints (HiGHS's banner), on stderr.")
+        bool,
+        typer.Option(
+            "--verbose", help="Also show what the solver prints (HiGHS's banner), on stderr; also after the command."
+        ),
     ] = False,
 ) -> None:
     """Plan and run training steps across mixed accelerator clusters."""

@@ -62,3 +62,10 @@ def test_json_on_stdout_is_pure_json_in_a_real_process():
     assert verbose.returncode == 0, verbose.stderr
     assert json.loads(verbose.stdout)["global_batch"] == 16
     assert "HiGHS" in verbose.stderr and "Copyright" in verbose.stderr
+
+
+def test_verbose_is_accepted_before_or_after_the_command():
+    for args in (["--verbose", "cluster", "list"], ["cluster", "list", "--verbose"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert "mixed-a100-v100" in result.stdout
