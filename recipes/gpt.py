@@ -139,12 +139,14 @@ class GPT(nn.Module):
         wte = nn.Embed(
             cfg.vocab_size,
             cfg.d_model,
+            dtype=cfg.dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
             name="wte",
         )
         wpe = nn.Embed(
             cfg.max_seq_len,
             cfg.d_model,
+            dtype=cfg.dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
             name="wpe",
         )

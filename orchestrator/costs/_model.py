@@ -132,6 +132,13 @@ class CostModel:
         smaller batch's (batch / profiled batch, time) and (1, t), read at x
         (its last piece extended beyond 1); without one, t(config) = t · x.
       measured_batch_size: the batch the timings were measured with.
+      weights_once: price the work on parameters alone in the forward and backward passes (casting
+        float32 weights to the bf16 compute dtype, transposing a tied table) once per step, in
+        ``optimizer_s``, as Megatron-LM runs it (its mixed-precision optimizer refreshes a bf16 copy
+        of the weights after each update) and as XLA runs a gradient-accumulation loop (it hoists
+        loop-invariant casts out of the loop). False (the default): once per microbatch, as the
+        per-microbatch stage programs of ``integrations.flax.Pipeline`` run it. A measured layer's
+        forward and backward keep their measured times either way.
     """
 
     def __init__(
@@ -147,6 +154,7 @@ class CostModel:
         default_efficiency: Efficiency | None = None,
         measured: Mapping[str, object] | None = None,
         measured_batch_size: int | None = None,
+        weights_once: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -156,6 +164,7 @@ class CostModel:
         self.default_efficiency = default_efficiency or Efficiency()
         self.measured = dict(measured or {})
         self.measured_batch_size = measured_batch_size or batch_size
+        self.weights_once = weights_once
         self.param_axes = dict(param_axes or {})
         self.axis_rules = tuple(axis_rules) if axis_rules is not None else DEFAULT_LOGICAL_AXIS_RULES
         tensor_parallel_axes(self.axis_rules)  # a malformed table fails here, not at the first priced layer
@@ -252,10 +261,15 @@ class CostModel:
             times[key] += op_time_s(op, device, eff, self.traffic[name])
         return dict(times)
 
-    def _modelled_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
+    def _modelled_time(
+        self, index: int, device_type: str, phase: str, tp: int, microbatch: int, *, weights_only: bool = False
+    ) -> float:
+        """Modelled seconds of a phase's ops; with ``weights_once``, the forward and backward leave out
+        the work on parameters alone, which ``weights_only=True`` returns instead."""
         total = 0.0
         for (ph, split, batch_dep), t in self._phase_times(self._representative(index), device_type, tp).items():
-            if ph == phase:
+            on_weights = self.weights_once and not batch_dep and ph != "optimizer"
+            if ph == phase and on_weights == weights_only:
                 total += t * (1 / tp if split else 1) * (microbatch / self.batch_size if batch_dep else 1)
         return total
 
@@ -382,6 +396,12 @@ class CostModel:
         optimizer = self._phase_time(index, device_type, "optimizer", t, m)
         if config.zero:
             optimizer /= config.dp
+        weights = (
+            sum(self._modelled_time(index, device_type, ph, t, m, weights_only=True) for ph in ("forward", "backward"))
+            if self._measured_on(index, device_type) is None
+            else 0.0
+        )
+        optimizer += weights
         fixed = self._fixed_time(index, device_type, "forward") + self._fixed_time(index, device_type, "backward")
         if config.recompute:
             backward += forward
@@ -422,7 +442,7 @@ class CostModel:
             transient_bytes=transient,
             output_activation_bytes=layer.activation_bytes * m / self.batch_size,
             fixed_s=fixed,
-            breakdown={"tp_forward_bytes": tp_fwd, "tp_backward_bytes": tp_bwd},
+            breakdown={"tp_forward_bytes": tp_fwd, "tp_backward_bytes": tp_bwd, "weights_once_s": weights},
         )
 
     def _input_bytes(self, index: int) -> float:

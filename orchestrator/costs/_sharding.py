@@ -40,7 +40,9 @@ remembers S, the global size of its split dim:
   table) has no dim of size S in its output: each device looks up the rows it
   holds, zeros elsewhere, and the output is **all-reduced**;
 * any other op is split if one of its inputs is (a reshape carries S to the
-  output dim that now holds the split one).
+  output dim that now holds the split one), and so is an op that reads a
+  column- or row-parallel parameter alone (its cast to the compute dtype, its
+  optimizer update): each device works on its own shard.
 
 A split op does 1/t of its work on each of t devices. These are the
 collectives XLA's SPMD partitioner emits for the recipes: two forward and two
@@ -280,6 +282,8 @@ def tensor_parallel_traits(
         elif inputs and not activation:
             kinds = set(inputs)
             role = kinds.pop() if len(kinds) == 1 else "param"
+            if role in ("column", "row"):
+                split.add(op.name)  # work on one parameter's shard (a cast, an optimizer update)
         else:
             role = "replicated"
         roles[op.name] = role

@@ -16,6 +16,7 @@ from orchestrator.planner.baselines._baselines import (
     uniform,
 )
 from orchestrator.planner.baselines._exhaustive import exhaustive_plan
+from orchestrator.planner.baselines._fixed import fixed
 
 __all__ = [
     "BASELINES",
@@ -24,6 +25,7 @@ __all__ = [
     "balanced",
     "exhaustive",
     "exhaustive_plan",
+    "fixed",
     "greedy",
     "pipedream",
     "uniform",

@@ -1,0 +1,238 @@
+"""``orchestrator bench published``: published GPU training runs priced by the cost model.
+
+Each run of ``data/published_runs.yaml`` (measured on A100 and H100 clusters, with its citation)
+is rebuilt here as what the planner sees:
+
+* the model: :class:`recipes.GPTConfig` of the run's shape in bf16 compute on float32 parameters,
+  its train step captured at one sequence (abstract shapes, nothing allocated);
+* the cluster: ``gpus / gpus_per_node`` hosts of the run's GPU (:data:`GPUS`: datasheet peaks and
+  memory), NVLink inside a host, one InfiniBand NIC per GPU between hosts (:data:`LINKS`);
+* the published configuration: PP stages of equal block counts (the embedding with the first,
+  the head with the last, as Megatron-LM places them), each on TP·DP devices of one type, with
+  M = B / (DP · microbatch) microbatches and the run's recompute and ZeRO settings.
+
+The measured time per iteration is the published one, or the published TFLOP/s per GPU turned
+into seconds by the source's own FLOP count (``data/README.md``). The run is then priced by the
+planner's closed form (:func:`orchestrator.planner.evaluate_plan`) and, unless ``plan=False``,
+planned from scratch on the same cluster.
+
+Runs whose architecture the GPT recipe does not express (a gated MLP, RMSNorm, rotary positions,
+grouped-query attention) or that need context parallelism are reported as not priced, with the
+reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from orchestrator.bench._case import rel_err
+
+# Datasheet figures of the GPUs the published runs used (dense, no sparsity); memory in bytes.
+GPUS: dict[str, dict[str, Any]] = {
+    "a100-80gb": {
+        "type": "a100",
+        "peak_tflops": {"float32": 19.5, "tfloat32": 156, "bfloat16": 312, "float16": 312},
+        "memory_bytes": 80 * 2**30,
+        "memory_bandwidth_gbps": 2039,
+    },
+    "a100-40gb": {
+        "type": "a100",
+        "peak_tflops": {"float32": 19.5, "tfloat32": 156, "bfloat16": 312, "float16": 312},
+        "memory_bytes": 40 * 2**30,
+        "memory_bandwidth_gbps": 1555,
+    },
+    "h100-sxm-80gb": {
+        "type": "h100",
+        "peak_tflops": {"float32": 67, "tfloat32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979},
+        "memory_bytes": 80 * 2**30,
+        "memory_bandwidth_gbps": 3350,
+    },
+}
+
+# GB/s per direction per GPU: NVLink 3 (A100) 600 GB/s and NVLink 4 (H100) 900 GB/s both ways added;
+# between hosts one HDR (A100 DGX, 200 Gb/s) or NDR (H100 DGX, 400 Gb/s) InfiniBand NIC per GPU.
+LINKS: dict[str, dict[str, dict[str, float]]] = {
+    "a100": {"intra": {"bandwidth_gbps": 300, "latency_us": 2}, "inter": {"bandwidth_gbps": 25, "latency_us": 5}},
+    "h100": {"intra": {"bandwidth_gbps": 450, "latency_us": 2}, "inter": {"bandwidth_gbps": 50, "latency_us": 5}},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedRun:
+    """One row of ``published_runs.yaml`` (see its README for the fields)."""
+
+    id: str
+    source: str
+    model: dict
+    cluster: dict
+    parallel: dict
+    global_batch: int
+    precision: str | None
+    measured: dict
+    flops_convention: str
+
+    @property
+    def convention(self) -> str:
+        return self.flops_convention.split(":", 1)[0].strip()
+
+    @property
+    def gpu_type(self) -> str:
+        return GPUS[self.cluster["gpu"]]["type"]
+
+    def flops_per_iteration(self) -> float:
+        """F of the source's own convention (``data/README.md``)."""
+        m = self.model
+        B, s, L, h, V = self.global_batch, m["seq_len"], m["layers"], m["hidden"], m["vocab"]
+        if self.convention == "megatron-sc21":
+            return 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+        if self.convention == "megatron-model":
+            return 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+        if self.convention == "palm-mfu":
+            return B * s * (6 * m["params_billion"] * 1e9 + 12 * L * h * s)
+        raise ValueError(f"run {self.id}: unknown FLOP convention {self.convention!r}")
+
+    def measured_s(self) -> float:
+        """Seconds per iteration: as published, or F / (GPUs · TFLOP/s per GPU)."""
+        if self.measured.get("seconds_per_iteration"):
+            return float(self.measured["seconds_per_iteration"])
+        return self.flops_per_iteration() / (self.cluster["gpus"] * self.measured["tflops_per_gpu"] * 1e12)
+
+    def unsupported(self) -> str | None:
+        """Why the GPT recipe cannot express this run, or None."""
+        m, p = self.model, self.parallel
+        # a field the source leaves unpublished (null) is taken as the recipe's
+        reasons = [
+            f"{key} {m[key]}"
+            for key, ours in (("mlp", "gelu"), ("norm", "layernorm"), ("position", "learned"))
+            if m[key] not in (None, ours)
+        ]
+        if m["kv_heads"] != m["heads"]:
+            reasons.append(f"grouped-query attention ({m['kv_heads']} of {m['heads']} heads)")
+        if m["ffn_hidden"] != 4 * m["hidden"]:
+            reasons.append(f"ffn {m['ffn_hidden']} ≠ 4·hidden")
+        if (p.get("cp") or 1) > 1:
+            reasons.append(f"context parallelism {p['cp']}")
+        return "; ".join(reasons) or None
+
+
+def load_runs() -> list[PublishedRun]:
+    """Every run of the packaged ``data/published_runs.yaml``."""
+    text = resources.files("orchestrator.bench").joinpath("data/published_runs.yaml").read_text()
+    return [PublishedRun(**{k: row[k] for k in PublishedRun.__slots__}) for row in yaml.safe_load(text)["runs"]]
+
+
+def run_cluster(run: PublishedRun):
+    """The run's cluster: its hosts of one GPU type, NVLink inside, one NIC per GPU between hosts."""
+    from orchestrator.cluster import parse_cluster
+
+    gpu = GPUS[run.cluster["gpu"]]
+    per_host = run.cluster["gpus_per_node"]
+    hosts, rest = divmod(run.cluster["gpus"], per_host)
+    if rest:
+        raise ValueError(f"run {run.id}: {run.cluster['gpus']} GPUs is not whole hosts of {per_host}")
+    kind = gpu["type"]
+    spec = {
+        "name": re.sub(r"[^a-z0-9-]", "-", f"{run.id}-cluster"),
+        "device_types": {kind: {k: v for k, v in gpu.items() if k != "type"}},
+        "hosts": [
+            {"name": f"{kind}-{i}", "device_type": kind, "count": per_host, "intra_link": LINKS[kind]["intra"]}
+            for i in range(hosts)
+        ],
+        "network": {"cluster": LINKS[kind]["inter"]},
+    }
+    return parse_cluster(spec, source=run.id)
+
+
+@functools.cache
+def _graph(layers: int, hidden: int, heads: int, vocab: int, seq: int):
+    from integrations.flax import capture
+    from orchestrator.coarsen import coarsen
+    from recipes import GPT, GPTConfig, Recipe
+
+    config = GPTConfig(
+        vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads, d_model=hidden, dtype="bfloat16"
+    )
+    recipe = Recipe(name="published", config=config, batch_size=1, seq_len=seq)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, seq))
+    del GPT
+    return graph, coarsen(graph), recipe.param_axes()
+
+
+def run_model(run: PublishedRun, efficiency=None):
+    """The cost model of the run's GPT (bf16 compute, float32 parameters) on the run's cluster."""
+    from orchestrator.costs import CostModel
+
+    m = run.model
+    graph, layers, axes = _graph(m["layers"], m["hidden"], m["heads"], m["vocab"], m["seq_len"])
+    eff = {run.gpu_type: efficiency} if efficiency else None
+    return CostModel(graph, layers, run_cluster(run), batch_size=1, param_axes=axes, efficiency=eff, weights_once=True)
+
+
+def published_stages(run: PublishedRun, n_layers: int) -> list[list[int]]:
+    """Megatron-LM's layout: the blocks split evenly over PP stages, the embedding (layer 0) with
+    the first and the head (the last layer) with the last."""
+    pp, blocks = run.parallel["pp"], n_layers - 2
+    base, extra = divmod(blocks, pp)
+    stages, start = [], 1
+    for s in range(pp):
+        count = base + (1 if s < extra else 0)
+        stages.append(list(range(start, start + count)))
+        start += count
+    stages[0].insert(0, 0)
+    stages[-1].append(n_layers - 1)
+    return stages
+
+
+def price(run: PublishedRun, model=None) -> dict:
+    """The run's published configuration priced by the planner's closed form."""
+    from orchestrator.planner.baselines import fixed
+
+    model = model or run_model(run)
+    p = run.parallel
+    microbatch = p["microbatch_size"] or 1
+    M = run.global_batch // (p["dp"] * microbatch)
+    priced = fixed(
+        model,
+        stages=published_stages(run, len(model.layers)),
+        device_type=run.gpu_type,
+        tp=p["tp"],
+        dp=p["dp"],
+        recompute=p["recompute"] == "full",
+        microbatches=M,
+        global_batch=run.global_batch,
+        zero=bool(p.get("zero")),
+    )
+    ev = priced.evaluation
+    return {"priced_s": ev.iteration_s, "fits": ev.feasible, "microbatches": M, "breakdown": dict(ev.breakdown)}
+
+
+def bench_published(*, plan: bool = True, time_limit_s: float = 60.0, progress=None) -> list[dict]:
+    """One row per run: measured vs priced (and planned) seconds per iteration."""
+    rows = []
+    for run in load_runs():
+        row: dict[str, Any] = {
+            "id": run.id,
+            "gpus": run.cluster["gpus"],
+            "gpu": run.cluster["gpu"],
+            "published": "TP{tp} PP{pp} DP{dp}".format(**run.parallel),
+            "measured_s": run.measured_s(),
+        }
+        why = run.unsupported()
+        if why:
+            row["not_priced"] = why
+            rows.append(row)
+            continue
+        if progress:
+            progress(f"{run.id}: capturing and pricing")
+        model = run_model(run)
+        row.update(price(run, model))
+        row["error"] = rel_err(row["priced_s"], row["measured_s"]) if math.isfinite(row["priced_s"]) else None
+        rows.append(row)
+    return rows

@@ -1,0 +1,35 @@
+"""A configuration someone already chose (a published run's, a hand-tuned one), priced as it stands."""
+
+from __future__ import annotations
+
+from orchestrator.costs import CostModel
+from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner.baselines._sweep import BaselinePlan, Sweep
+
+
+def fixed(
+    model: CostModel,
+    *,
+    stages: list[list[int]],
+    device_type: str,
+    tp: int,
+    dp: int,
+    recompute: bool,
+    microbatches: int,
+    global_batch: int,
+    zero: bool = False,
+    schedule: str = "1f1b",
+) -> BaselinePlan:
+    """``stages`` (layer indices per pipeline stage), each on ``tp · dp`` devices of ``device_type``,
+    at ``microbatches`` microbatches, priced by the planner's closed form.
+
+    The evaluation says whether it fits (``evaluation.feasible``); its time is priced either way.
+    """
+    if global_batch % microbatches or (global_batch // microbatches) % dp:
+        raise ValueError(
+            f"global batch {global_batch} does not split into {microbatches} microbatches of a multiple of dp={dp}"
+        )
+    group = GroupConfig(device_type=device_type, size=tp * dp, tp=tp, recompute=recompute)
+    sweep = Sweep(model, global_batch=global_batch, schedule=schedule, zero=zero, mixed_stages=False)
+    groups = [group] * len(stages)
+    return BaselinePlan("fixed", stages, groups, microbatches, sweep.evaluate(stages, groups, microbatches))
