@@ -21,6 +21,7 @@ re-plan with one stage.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -84,7 +85,9 @@ def apply(
 
     Call it before any tensor is placed on an XLA device: it switches
     torch_xla to SPMD mode (``torch_xla.runtime.use_spmd()``), moves the module
-    to the XLA device and repoints ``optimizer`` at the moved parameters. If
+    to the XLA device (a parameter several submodules share, such as a head
+    tied to its embedding, stays one parameter) and repoints ``optimizer`` at
+    the moved parameters. If
     the process runs a backward pass before (eager CPU training,
     :func:`~integrations.torch_xla.capture`), start the XLA runtime first
     (``torch_xla.runtime.use_spmd(); torch_xla.runtime.global_runtime_device_count()``):
@@ -141,7 +144,7 @@ def apply(
 
     names = {id(p): n for n, p in module.named_parameters()}
     _init_state(optimizer)
-    module.to(device)
+    _move(module, device)
     moved = dict(module.named_parameters())
     _repoint(optimizer, names, moved, device)
     specs = {}
@@ -205,6 +208,27 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
         state = optimizer.state.get(p, {})
         if "step" in state:
             state["step"] = torch.zeros_like(state["step"]) if isinstance(state["step"], torch.Tensor) else 0
+
+
+def _move(module: nn.Module, device) -> None:
+    """``module.to(device)``, keeping a tensor that several submodules share one tensor.
+
+    ``Module.to`` converts each submodule's parameters on their own, so a
+    parameter two modules hold (a language model head tied to its embedding,
+    ``lm_head.weight is wte.weight``) would come back as two parameters: the
+    optimizer would update one, the forward pass would read both.
+    """
+    holders: dict[int, list[tuple[dict, str]]] = defaultdict(list)
+    for owner in module.modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    holders[id(tensor)].append((table, name))
+    module.to(device)
+    for shared in holders.values():
+        table, name = shared[0]  # the first holder, the one named_parameters() names
+        for other_table, other_name in shared[1:]:
+            other_table[other_name] = table[name]
 
 
 def _zero_spec(spec: tuple[str | None, ...], shape: Sequence[int], dp: int) -> tuple[str | None, ...]:

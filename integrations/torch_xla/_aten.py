@@ -10,7 +10,9 @@ included), so these rules see the same arithmetic the jaxpr rules see:
 * reductions: |in| − |out| (``mean`` adds |out| divides; ``var_mean`` is 4·|in|:
   two sums, a difference and a square per element)
 * ``index_put(accumulate=True)``, ``scatter_add``, ``index_add``: one add per update element
-* views, copies, gathers, concatenation, constants: 0
+* ``cumsum``, ``cumprod``: one add (multiply) per element, as a sequential scan
+* views, copies, gathers, scatters into slices, concatenation, constants and allocations
+  (``empty_permuted``, ``new_zeros``, random fills): 0
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ REDUCTION = frozenset("sum amax amin prod max min argmax argmin any all".split()
 FREE = frozenset(
     """view _unsafe_view reshape permute transpose t squeeze unsqueeze expand clone alias slice select
     cat stack split split_with_sizes unbind index gather embedding arange full full_like zeros zeros_like
-    ones ones_like empty empty_like empty_strided scalar_tensor scatter copy as_strided detach lift_fresh_copy
-    constant_pad_nd flip roll repeat diagonal tril triu iota rand randn bernoulli""".split()
+    ones ones_like empty empty_like empty_strided empty_permuted new_empty new_empty_strided new_zeros new_ones
+    new_full scalar_tensor scatter slice_scatter select_scatter copy as_strided detach lift_fresh_copy
+    constant_pad_nd flip roll repeat diagonal tril triu iota rand randn rand_like randn_like randint
+    bernoulli""".split()
 )
+SCAN = frozenset({"cumsum", "cumprod"})
 SCATTER_ADD = frozenset({"index_put", "scatter_add", "index_add"})
 LOOKUPS = frozenset({"aten.index", "aten.embedding", "aten.gather"})  # XLA lowers each to a gather
 SKIP = frozenset({"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"})
@@ -86,6 +91,8 @@ def cost(
         return "reduction", 4.0 * _size(in_shapes[0]), 0.0
     if short in REDUCTION:
         return "reduction", float(_size(in_shapes[0]) - _size(out_shapes[0])), 0.0
+    if short in SCAN:
+        return "elementwise", float(out), 0.0
     if short in SCATTER_ADD:
         accumulate = short != "index_put" or (len(args) > 3 and bool(args[3]))
         return "data_movement", float(_size(in_shapes[-1])) if accumulate else 0.0, 0.0

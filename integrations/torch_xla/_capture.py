@@ -24,7 +24,8 @@ recorded under the primitive name ``dot_general`` and lookups (``index``,
 cost model's tensor-parallel rules and memory traffic key on them); every
 other op keeps its ATen name.
 
-Tensors may live on the ``meta`` device: nothing is allocated or computed.
+Tensors may live on the CPU, an XLA device or the ``meta`` device: the step is
+traced on the meta device in every case, so nothing is allocated or computed.
 """
 
 from __future__ import annotations
@@ -126,6 +127,40 @@ class _Run(nn.Module):
         return _scoped_interpreter(self.gm, *self._interpreter).run(*inputs)
 
 
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of ``tensor``'s shape, strides and dtype on the meta device."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def _devices_to_meta(gm: torch.fx.GraphModule) -> None:
+    """Point every device argument of the exported graph (``to(device=cpu)``, ``arange(device=...)``) at meta."""
+    meta = torch.device("meta")
+
+    def swap(value):
+        return meta if isinstance(value, torch.device) else value
+
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = torch.utils._pytree.tree_map(swap, node.args)
+                node.kwargs = torch.utils._pytree.tree_map(swap, node.kwargs)
+            module.recompile()
+
+
+def _constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every tensor the exported graph reads by attribute but a parameter: buffers and lifted constants."""
+    params = {id(p) for p in gm.parameters()}
+    found = dict(gm.named_buffers())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in found:
+            value = gm
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            if isinstance(value, torch.Tensor) and id(value) not in params:
+                found[node.target] = value
+    return found
+
+
 def _tag(fn, scope: str, grad_scopes: dict) -> None:
     """Give ``fn`` and the untagged autograd nodes behind it (created by the same exported node) ``scope``."""
     todo = [fn]
@@ -184,9 +219,15 @@ def capture(
     marks, grad_scopes = _Marks(), {}
 
     runner = _Run(gm, marks, grad_scopes, root)
+    # Traced on the meta device whatever the inputs' device: only shapes matter, nothing is
+    # computed, and every device traces alike (a CPU kernel may return strides that the
+    # export's fake tensors did not predict, and the exported graph's ``view`` then fails).
+    _devices_to_meta(gm)
+    constants = {f"gm.{n}": _on_meta(t) for n, t in _constants(gm).items()}
 
     def step(params, *inputs):
-        loss = torch.func.functional_call(runner, {f"gm.{n}": p for (n, _), p in zip(named, params)}, inputs)
+        tensors = {**constants, **{f"gm.{n}": p for (n, _), p in zip(named, params)}}
+        loss = torch.func.functional_call(runner, tensors, inputs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("capture needs a scalar loss: pass loss_fn=, or let the module return the loss")
         for fn, scope in grad_scopes.items():
@@ -200,8 +241,9 @@ def capture(
         **get_decompositions([aten.native_layer_norm, aten.native_layer_norm_backward, aten.gelu, aten._softmax]),
         **get_decompositions([aten._log_softmax, aten.gelu_backward, aten._softmax_backward_data]),
     }
-    params = [torch.empty_like(p, device=p.device).requires_grad_() for _, p in named]
-    traced = make_fx(step, decomposition_table=table)(params, *example_inputs)
+    params = [_on_meta(p).requires_grad_() for _, p in named]
+    inputs = [_on_meta(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    traced = make_fx(step, decomposition_table=table)(params, *inputs)
     graph = OpGraph(
         name=name or root,
         params={path: _spec(p) for path, (_, p) in zip(paths, named)},
