@@ -353,6 +353,8 @@ class Replanner(Callback):
             f"{measured * 1e3:.1f} ms ({self.clock}): gain over {self.horizon_steps} steps {gain:.2f} s vs switch cost "
             f"{cost:.2f} s (compile {self._compile_s:.2f} s + reshard {reshard:.3f} s); re-plan {replan_s:.2f} s"
         )
+        if proposed.notes and proposed.notes[0].startswith("re-planned"):  # what the re-plan did (``replan``)
+            numbers += f" ({proposed.notes[0].split(': ', 1)[-1].rsplit('; ', 1)[0]})"
         verdict = (
             "same plan"
             if same

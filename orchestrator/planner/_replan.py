@@ -164,7 +164,8 @@ def _repair(previous: Plan, model, space, candidates: list[int], time_limit_s: f
     found = []
     replaced = _replace_lost(previous, space, kept, free, score)
     if replaced is not None:
-        found.append((*replaced, f"the {S - len(kept)} lost stage(s) moved to freed devices"))
+        moved = f"the {S - len(kept)} lost stage(s) moved to freed devices" if len(kept) < S else "no stage lost"
+        found.append((*replaced, f"{moved}, layers re-balanced"))
     else:
         found.append(_fixed_ilp(previous, space, kept, free, time_limit_s, migration))
     if len(kept) < S:
