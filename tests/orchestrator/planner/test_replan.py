@@ -121,3 +121,18 @@ def test_fast_repair_re_decides_only_the_lost_stage():
     certified = replan(before, after, time_limit_s=30, widen=False, horizon_steps=None, **settings)
     assert certified.bound <= cold.iteration_s * (1 + 1e-9)
     assert certified.iteration_s <= cold.iteration_s * (1 + 1e-3)
+
+
+def test_fast_repair_stands_without_a_full_search_when_the_solve_free_bound_certifies_it():
+    model = _two_type_model()
+    before = plan(model, time_limit_s=30, gap=1e-6, **ONE_TYPE)
+    after = _without_host(model, before.stages[-1].devices[0].split("/")[0])
+    settings = {k: v for k, v in ONE_TYPE.items() if k != "global_batch"}
+    uncertified = replan(before, after, time_limit_s=30, widen=False, certify=False, horizon_steps=None, **settings)
+    # a gap loose enough for the capacity bound: the repair is certified as it is
+    loose = replan(before, after, time_limit_s=30, widen=False, horizon_steps=None, gap=0.9, **settings)
+    assert "of the solve-free bound" in loose.notes[0] and "widened" not in loose.notes[0]
+    assert [s.layers for s in loose.stages] == [s.layers for s in uncertified.stages]
+    assert 0 < loose.bound <= loose.iteration_s and loose.gap <= 0.9
+    cold = plan(after, time_limit_s=30, gap=1e-6, **ONE_TYPE)
+    assert loose.bound <= cold.iteration_s * (1 + 1e-9)
