@@ -1,4 +1,4 @@
-"""``orchestrator graph``: capture a recipe's train step and print its layers."""
+"""``orchestrator graph``: capture a recipe's (or ``--model``'s) train step and print its layers."""
 
 from __future__ import annotations
 
@@ -12,10 +12,20 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.cli._common import MAX_GLOBAL_BATCH, recipe_or_fail, seq_or_fail, si
+from orchestrator.cli._user_model import user_model_or_fail
 
 
 def graph_command(
+    ctx: typer.Context,
     recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small, gpt-tiny, mamba-130m.")] = "gpt2-small",
+    user_model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="Your own step instead of a recipe: package.module:factory, a function returning "
+            "(train_step, state, batch).",
+        ),
+    ] = None,
     batch_size: Annotated[
         int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Batch size (default: the recipe's).")
     ] = None,
@@ -23,24 +33,30 @@ def graph_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     xla: Annotated[bool, typer.Option(help="Also compile the step and report XLA's own FLOP count.")] = True,
 ) -> None:
-    """Capture a recipe's training step and print its layers (FLOPs, params, activations)."""
+    """Capture a recipe's (or your --model's) training step and print its layers (FLOPs, params, activations)."""
     from integrations.flax import capture, xla_flops
     from orchestrator.coarsen import coarsen
 
-    spec = recipe_or_fail(recipe)
-    seq_len = seq_or_fail(spec, seq_len, "--seq-len")
-    state = spec.abstract_state()
-    batch = spec.batch_spec(batch_size, seq_len)
+    if user_model is not None:
+        own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "batch_size", "seq_len"))
+        name, train_step, state, batch = user_model, own.train_step, own.state, own.batch
+        batch_size, seq_len = own.batch_size, None
+    else:
+        spec = recipe_or_fail(recipe)
+        seq_len = seq_or_fail(spec, seq_len, "--seq-len")
+        name, train_step, state = recipe, spec.train_step, spec.abstract_state()
+        batch = spec.batch_spec(batch_size, seq_len)
+        batch_size = batch["inputs"].shape[0]
     console = Console(stderr=True)
-    with console.status(f"capturing {recipe} train step"):
+    with console.status(f"capturing {name} train step"):
         start = time.perf_counter()
-        graph = capture(spec.train_step, state, batch, name=f"{recipe}/train_step")
+        graph = capture(train_step, state, batch, name=f"{name}/train_step")
         layers = coarsen(graph)
         capture_s = time.perf_counter() - start
     xla_count = None
     if xla:
         with console.status("compiling the step for XLA's FLOP count"):
-            xla_count = xla_flops(spec.train_step, state, batch).flops
+            xla_count = xla_flops(train_step, state, batch).flops
     totals = {
         "flops": graph.total_flops(),
         "xla_flops": xla_count,
@@ -52,8 +68,8 @@ def graph_command(
     }
     if as_json:
         payload = {
-            "recipe": recipe,
-            "batch_size": batch["inputs"].shape[0],
+            ("model" if user_model else "recipe"): name,
+            "batch_size": batch_size,
             "seq_len": seq_len,
             "layers": [
                 {
@@ -70,7 +86,8 @@ def graph_command(
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
-    table = Table(title=f"{recipe} train step — batch {batch['inputs'].shape[0]} × seq {seq_len}")
+    shape = f"batch {batch_size}" + (f" × seq {seq_len}" if seq_len else "")
+    table = Table(title=f"{name} train step — {shape}")
     for column in ("#", "layer", "FLOPs", "params", "activation out", "signature"):
         table.add_column(column, justify="right" if column not in ("layer", "signature") else "left")
     for layer in layers:

@@ -1,4 +1,4 @@
-"""``orchestrator plan --recipe R --cluster C --batch B``: capture, cost and plan a recipe's step."""
+"""``orchestrator plan --recipe R --cluster C --batch B``: capture, cost and plan a recipe's step (or ``--model``'s)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,20 @@ from orchestrator.cli._common import (
     recipe_or_fail,
     seq_or_fail,
 )
+from orchestrator.cli._user_model import explicit, user_cost_model, user_model_or_fail
 
 
 def plan_command(
+    ctx: typer.Context,
     recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small.")] = "gpt2-small",
+    user_model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="Your own step instead of a recipe: package.module:factory, a function returning "
+            "(train_step, state, batch).",
+        ),
+    ] = None,
     cluster: Annotated[str, typer.Option(help="Cluster preset or YAML file.")] = "a100x8",
     batch: Annotated[int, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Global batch (samples per step).")] = 64,
     seq: Annotated[
@@ -44,16 +54,21 @@ def plan_command(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Plan a recipe's training step on a cluster: stages, devices, TP/DP, microbatches, with a certified gap."""
+    """Plan a recipe's (or your --model's) training step on a cluster: stages, devices, TP/DP, microbatches, with a
+    certified gap."""
     from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
 
-    spec = recipe_or_fail(recipe)
-    seq_or_fail(spec, seq)
+    if user_model is not None:
+        own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "seq"))
+        batch = batch if explicit(ctx, "batch") else own.batch_size
+    else:
+        spec = recipe_or_fail(recipe)
+        seq_or_fail(spec, seq)
     if schedule not in ("1f1b", "gpipe"):
         fail(f"--schedule must be 1f1b or gpipe, got {schedule!r}")
     spec_cluster = cluster_or_fail(cluster)
-    with Console(stderr=True).status(f"capturing and planning {recipe} on {spec_cluster.name}"):
-        model = recipe_cost_model(spec, spec_cluster, seq)
+    with Console(stderr=True).status(f"capturing and planning {user_model or recipe} on {spec_cluster.name}"):
+        model = user_cost_model(own, spec_cluster) if user_model else recipe_cost_model(spec, spec_cluster, seq)
         try:
             result = plan(
                 model,
@@ -69,6 +84,8 @@ def plan_command(
 
     # the cluster travels in the plan, so simulate, report and train --plan read it from any directory
     source = {"recipe": recipe, "cluster": cluster, "seq": seq, "cluster_spec": cluster_to_dict(spec_cluster)}
+    if user_model is not None:
+        source = {"model": user_model, **{k: v for k, v in source.items() if k not in ("recipe", "seq")}}
     result = dataclasses.replace(result, source=source)
     if output:
         result.save(output)
