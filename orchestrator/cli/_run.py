@@ -76,7 +76,7 @@ def _cluster_on_jax(cluster, present: int):
     if count != present:
         fail(
             f"cluster {cluster.name!r} has {count} devices and there are {present} jax devices here; "
-            f"train on --cluster local, or start with XLA_FLAGS={_FLAG}={count} to play its devices on the CPU"
+            f"use --cluster local, or start with XLA_FLAGS={_FLAG}={count} to play its devices on the CPU"
         )
     return cluster
 
