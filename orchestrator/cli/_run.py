@@ -86,6 +86,8 @@ def _plan_mismatch(plan, cluster, *, recipe: str, seq: int, global_batch: int) -
     from orchestrator.cluster import ClusterError, parse_cluster
 
     source = plan.source
+    if "model" in source:  # orchestrator plan --model: a user's own step, which train does not run
+        return f"it was made for the model {source['model']!r}, and this run trains the recipe {recipe!r}"
     if isinstance(source.get("recipe"), str) and source["recipe"] != recipe:
         return f"it was made for recipe {source['recipe']!r}, and this run trains {recipe!r}"
     if isinstance(source.get("seq"), int) and source["seq"] != seq:

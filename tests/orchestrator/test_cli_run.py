@@ -79,6 +79,14 @@ def test_train_refuses_a_plan_for_another_run(tmp_path, tiny_plan, args, expecte
     assert not run_dir.exists()
 
 
+def test_train_refuses_a_plan_for_a_users_own_model(tmp_path, tiny_plan):
+    data = json.loads(tiny_plan.read_text())
+    data["source"] = {"model": "mypkg.model:build", **{k: v for k, v in data["source"].items() if k != "recipe"}}
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    args = [*TRAIN, "--run-dir", str(tmp_path / "run"), "--cluster", "a100x8", "--plan", str(tmp_path / "plan.json")]
+    refused(args, "it was made for the model 'mypkg.model:build', and this run trains the recipe 'gpt-tiny'")
+
+
 def test_resume_refuses_a_cluster_larger_than_the_devices_here(tmp_path):
     RunConfig(steps=2, cluster="mixed-a100-v100", metadata={"recipe": "gpt-tiny"}).save(tmp_path)
     before = (tmp_path / "run.json").read_text()
