@@ -4,6 +4,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax.training.train_state import TrainState
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from integrations.flax import capture
 from orchestrator.coarsen import LayerGraph, coarsen
@@ -230,3 +232,25 @@ def test_flax_blocks_one_scope_deeper():
         ["Nested/embed"] + [f"Nested/encoder/layers_{i}" for i in range(3)] + ["Nested/encoder/norm+head"]
     )
     assert list(layers.repeated().values()) == [[1, 2, 3]]
+
+
+_NAMES = st.sampled_from(["model", "transformer", "encoder", "stack", "body"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    path=st.lists(_NAMES, max_size=3),
+    prefix=st.sampled_from(["h", "layers", "blocks", "block"]),
+    count=st.integers(2, 6),
+    inner=st.lists(st.sampled_from(["attn", "mlp", "norm"]), min_size=1, max_size=3, unique=True),
+)
+def test_blocks_at_any_depth_property(path, prefix, count, inner):
+    """Embedding, ``count`` blocks wherever they sit, head: every op in exactly one layer."""
+    parent = "/".join(path)
+    at = f"{parent}/" if parent else ""
+    blocks = [f"{at}{prefix}_{i}" for i in range(count)]
+    scopes = [f"{at}wte"] + [f"{block}/{part}" for block in blocks for part in inner] + ["lm_head"]
+    graph = _scoped_chain([f"Net/{s}" for s in scopes] + ["Net"])
+    layers = coarsen(graph)
+    assert [layer.name for layer in layers] == [f"Net/{at}wte"] + [f"Net/{b}" for b in blocks] + ["Net/lm_head"]
+    assert sorted(op for layer in layers for op in layer.ops) == sorted(op.name for op in graph.ops())
