@@ -345,9 +345,9 @@ def replan(
             how = f"{why}; widened to the full search from {'it' if repaired else 'scratch'}"
             if repaired is not None:
                 # the full search's bound covers the repair too; keep whichever is better
-                mine = repair_plan(result.bound)
-                if mine.objective < result.objective * (1 - 1e-9):
-                    result = mine
+                alone = repair_plan(result.bound)
+                if alone.objective < result.objective * (1 - 1e-9):
+                    result = alone
     note = (
         f"re-planned after {lost}: {how}; {_shape(previous)} → {_shape(result)}, "
         f"predicted step {previous.iteration_s:.4g} s → {result.iteration_s:.4g} s"
