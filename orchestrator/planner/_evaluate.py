@@ -42,14 +42,30 @@ class StageSummary:
 
 
 def summarize_stage(
-    layers, group: GroupConfig, next_type: str | None, microbatches: int, in_flight_microbatches: int, *, table, links
+    layers,
+    group: GroupConfig,
+    next_group: GroupConfig | None,
+    microbatches: int,
+    in_flight_microbatches: int,
+    *,
+    table,
+    links,
 ) -> StageSummary | None:
     """A stage's times and memory; None when the group's data parallelism does not divide the
-    microbatch. ``next_type``: the next stage's device type (None for the last stage)."""
+    microbatch. ``next_group``: the next stage's group (None for the last stage)."""
     if table.microbatch(group, microbatches) is None:
         return None
     entries = [table.entry(l, group, microbatches) for l in layers]
-    send = 0.0 if next_type is None else table.send_s(layers[-1], microbatches, links[group.device_type, next_type])
+    send = (
+        0.0
+        if next_group is None
+        else table.send_s(
+            layers[-1],
+            microbatches,
+            links[group.device_type, next_group.device_type],
+            min(group.size, next_group.size),
+        )
+    )
     parts = [table.memory_parts(l, group, microbatches) for l in layers]
     peak, fits = 0.0, True
     for p, (capacity, _) in enumerate(parts[0]):
@@ -135,7 +151,7 @@ def evaluate(
         summarize(
             layers,
             group,
-            groups[s + 1].device_type if s < S - 1 else None,
+            groups[s + 1] if s < S - 1 else None,
             microbatches,
             in_flight(schedule, microbatches, S, s),
             table=table,

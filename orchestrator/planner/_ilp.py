@@ -188,7 +188,8 @@ def cheapest_transfer_s(
     ends = [runs[r].first + runs[r].count - 1 for r in boundary_runs(runs)]  # as the ILP's ``send_s``
     if not pairs or not ends:
         return 0.0
-    return min(table.send_s(layer, microbatches, link) for layer in ends for link in pairs)
+    widest = max(g.size for g in groups)  # the most links a transfer can spread over
+    return min(table.send_s(layer, microbatches, link, widest) for layer in ends for link in pairs)
 
 
 def link_bound_s(
@@ -266,6 +267,7 @@ class StageModel:
         self.e = {(r, j): var(f"e_{r}_{j}", 0, 1) for r in R for j in J}
         self.P = {j: var(f"P_{j}", 0) for j in J}
         self.c: dict = {}  # (j, t, t2), made by add_transfers
+        self.q: dict = {}  # j: 1 / the smaller device count of positions j and j − 1, made by add_transfers
         self.T = var("T", 0)
         # a mixed group has two parts, each with its own memory rows (slots); groups of one type fill both
         self.slots = range(max(len(g.parts) or 1 for g in self.groups) if self.groups else 1)
@@ -402,11 +404,20 @@ class StageModel:
             self.lp += used <= info.devices, f"devices_{name}"
 
     def add_transfers(self) -> None:
+        """P_j ≥ the transfer from position j to j − 1: the latency plus the bytes over the link,
+        divided by the smaller stage's device count (``CostTable.send_s``). That count enters as
+        q_j ≥ Σ_g u_jg / n_g on both sides (1 / n of the chosen group, exactly, at an integer
+        point), so the rows stay one per (run, type pair)."""
         R = len(self.runs)
         for j in range(self.J):
             for r in range(R):
                 nxt = self.a[r + 1, j] if r + 1 < R else 0
                 self.lp += self.e[r, j] >= self.a[r, j] - nxt, f"last_run_{r}_{j}"
+        G = range(len(self.groups))
+        for j in range(1, self.J):
+            q = self.q[j] = self.lp.add_variable(f"q_{j}", 0, 1)
+            for side in (j, j - 1):
+                self.lp += q >= linear((self.u[side, g], 1 / self.groups[g].size) for g in G), f"fewer_{j}_{side}"
         for j in range(1, self.J):
             # named by index: type names may hold characters (a mixed group's "+") that names cannot
             for i, t in enumerate(self.types):
@@ -414,19 +425,33 @@ class StageModel:
                     c = self.c[j, t, t2] = self.lp.add_variable(f"c_{j}_{i}_{i2}", 0, 1)
                     self.lp += c >= self.on_type[j, t] + self.on_type[j - 1, t2] - 1, f"neighbours_{j}_{i}_{i2}"
                     for r in range(R):
-                        send = self.send_s(r, t, t2) * MS
-                        if send > 0:
-                            self.lp += self.P[j] >= send * (self.e[r, j] + c - 1), f"transfer_{j}_{r}_{i}_{i2}"
+                        whole = self.send_s(r, t, t2) * MS  # every byte over one link
+                        latency = self.links[t, t2].latency_s * MS
+                        volume = whole - latency
+                        if whole > 0:
+                            self.lp += (
+                                self.P[j]
+                                >= latency * (self.e[r, j] + c - 1)
+                                + volume * self.q[j]
+                                - volume * (2 - self.e[r, j] - c),
+                                f"transfer_{j}_{r}_{i}_{i2}",
+                            )
         # valid without the types (whose c rows the LP relaxation sets to 0): a stage before the
         # last ends at exactly one run, and sends at least that run's cheapest transfer
         ends = boundary_runs(self.runs) if self.types else []
-        floor = {r: min(self.send_s(r, t, t2) for t in self.types for t2 in self.types) * MS for r in ends}
+        widest = max((g.size for g in self.groups), default=1)
+        floor = {
+            r: min(self.send_s(r, t, t2, devices=widest) for t in self.types for t2 in self.types) * MS for r in ends
+        }
         for j in range(1, self.J):
             self.lp += pulp.lpSum(self.e[r, j] for r in ends) >= self.used[j], f"one_last_run_{j}"
             self.lp += self.P[j] >= linear((self.e[r, j], floor[r]) for r in ends), f"transfer_floor_{j}"
 
-    def send_s(self, r: int, source: str, target: str) -> float:
-        return self.table.send_s(self.runs[r].count + self.runs[r].first - 1, self.M, self.links[source, target])
+    def send_s(self, r: int, source: str, target: str, devices: float = 1) -> float:
+        """One transfer of run r's output from a stage on ``source`` to one on ``target``, sent over
+        ``devices`` links at once."""
+        layer = self.runs[r].count + self.runs[r].first - 1
+        return self.table.send_s(layer, self.M, self.links[source, target], devices)
 
     def _bound(self, variable, expression, name: str) -> None:
         """Row ``variable ≥ expression``, remembered for :meth:`set_start`."""
@@ -662,7 +687,9 @@ class StageModel:
             self.e[last, j].varValue = 1.0
             if j > 0:
                 self.c[j, types[j], types[j - 1]].varValue = 1.0
-                self.P[j].varValue = self.send_s(last, types[j], types[j - 1]) * MS
+                fewer = min(groups[S - 1 - j].size, groups[S - j].size)
+                self.q[j].varValue = 1 / fewer
+                self.P[j].varValue = self.send_s(last, types[j], types[j - 1], fewer) * MS
         for j in range(S):
             g = self.groups.index(groups[S - 1 - j])
             terms = [r for r in range(len(self.runs)) if (self.a[r, j].varValue or 0) > 0.5]

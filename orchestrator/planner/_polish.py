@@ -79,10 +79,10 @@ def polish(
     # a neighbour changes one or two stages: every stage's summary is priced once
     summaries: dict[tuple, StageSummary | None] = {}
 
-    def summary(layers, group, next_type, M, k, *, table, links) -> StageSummary | None:
-        key = (layers, group, next_type, M, k)
+    def summary(layers, group, next_group, M, k, *, table, links) -> StageSummary | None:
+        key = (layers, group, next_group, M, k)
         if key not in summaries:
-            summaries[key] = summarize_stage(layers, group, next_type, M, k, table=table, links=links)
+            summaries[key] = summarize_stage(layers, group, next_group, M, k, table=table, links=links)
         return summaries[key]
 
     def evaluation(candidate: Candidate) -> Evaluation:

@@ -192,14 +192,20 @@ class CostTable:
             self._entries[key] = cost.param_bytes + cost.optimizer_bytes
         return self._entries[key]
 
-    def p2p_s(self, layer: int, microbatches: int, link) -> float:
+    def p2p_s(self, layer: int, microbatches: int, link, devices: int = 1) -> float:
         """Activation out of ``layer`` forward and its gradient back, for one microbatch."""
-        return 2 * self.send_s(layer, microbatches, link)
+        return 2 * self.send_s(layer, microbatches, link, devices)
 
-    def send_s(self, layer: int, microbatches: int, link) -> float:
-        """One direction: ``layer``'s output activation for one microbatch (the whole microbatch, all replicas)."""
+    def send_s(self, layer: int, microbatches: int, link, devices: int = 1) -> float:
+        """One direction: ``layer``'s output activation for one microbatch, sent by ``devices`` devices at once.
+
+        Each data-parallel replica sends its own samples and, split over its tensor-parallel ranks
+        (Megatron-LM's scatter before the send, gather after it), each rank its 1/tp of them, every
+        device over its own link: the microbatch's bytes / ``devices`` cross one link. ``devices``
+        is the smaller of the two stages' device counts (the side with fewer links sets the pace).
+        """
         nbytes = self.model.layers[layer].activation_bytes * (self.global_batch / microbatches) / self.model.batch_size
-        return p2p_s(nbytes, link)
+        return p2p_s(nbytes / devices, link)
 
 
 def per_run(table: CostTable, runs, groups: list[GroupConfig], microbatches: int, field: str) -> np.ndarray:

@@ -71,9 +71,9 @@ def test_polish_past_its_deadline_returns_the_start_and_none_for_a_plan_that_doe
 
 
 def test_reorders_take_gpt_175b_past_a_local_optimum_of_single_moves(monkeypatch):
-    """GPT-175B's first incumbent (16 stages of 32 devices in type order, 548.5 s) is a local
-    optimum of every single change; swapping two stages' devices and cutting the layers anew moves
-    A100 stages to the end of the pipeline, where they hold more layers without recomputation."""
+    """GPT-175B's first incumbent (16 stages of 32 devices in type order) is a local optimum of
+    every single change; swapping two stages' devices and cutting the layers anew moves A100
+    stages to the end of the pipeline, where they hold more layers without recomputation."""
     from orchestrator.bench._planner import captured_model
     from orchestrator.planner import _polish
     from orchestrator.planner._groups import GroupConfig
@@ -99,10 +99,11 @@ def test_reorders_take_gpt_175b_past_a_local_optimum_of_single_moves(monkeypatch
             deadline=math.inf,
         )
 
-    reordered = polished()  # the reorders alone reach 515.9 s; the kicks after them never make it worse
-    assert reordered.score <= 516.0
+    start = evaluate(stages, groups, 128, table=space.table, infos=space.infos, schedule="1f1b", links=space.links)
+    reordered = polished()  # the reorders take 6% off; the kicks after them never make it worse
+    assert reordered.score <= 0.95 * start.iteration_s
     assert sorted((g.device_type, g.size, g.tp) for g in reordered.groups) == sorted(
         (g.device_type, g.size, g.tp) for g in groups
     )
     monkeypatch.setattr(_polish._Moves, "reorders", lambda self, candidate: iter(()))
-    assert polished().score == pytest.approx(548.537, rel=1e-5)
+    assert polished().score == pytest.approx(start.iteration_s, rel=1e-9)
