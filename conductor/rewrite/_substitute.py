@@ -6,11 +6,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from conductor.decide import Decision
 from conductor.jaxpr import Substitution
 from conductor.kernels import attention, selective_scan
 from conductor.match import Match
+from conductor.rewrite._fuse import fused
 
 
 def substitution(match: Match, decision: Decision) -> Substitution:
@@ -70,10 +72,12 @@ def _scan(match: Match, decision: Decision) -> Substitution:
         y = selective_scan(
             dt, a, v, b, c, block_sizes=decision.block_sizes, implementation=decision.implementation
         )  # (B, T, D)
-        return [jnp.swapaxes(y, 0, 1).astype(ys.aval.dtype)]  # the scan emitted it time-major
+        # the scan emitted it time-major; named so that the fused island keeps it for its backward
+        return [checkpoint_name(jnp.swapaxes(y, 0, 1).astype(ys.aval.dtype), "conductor_scan_out")]
 
     inputs = (sel["dt"], sel["a"], sel["v"], sel["b"], sel["c"])
-    return Substitution(anchor=match.anchor, inputs=inputs, outvars=(ys,), fn=fn)
+    core = Substitution(anchor=match.anchor, inputs=inputs, outvars=(ys,), fn=fn)
+    return fused(match.level, core)
 
 
 def _recurrence(match: Match) -> Substitution:

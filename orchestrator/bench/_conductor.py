@@ -242,6 +242,78 @@ def attention_spelling_memory_cases(
     return cases
 
 
+def recipe_step_memory_case(
+    recipe: str, *, batch: int, seq: int, min_ratio: float, progress=lambda name: None
+) -> Claim:
+    """A recipe's whole train step, abstract state and batch: temp memory as written vs through
+    ``conductor.optimize(train_step)`` with the default policy (compile only), and what was rewritten."""
+    import dataclasses
+
+    import conductor
+    from recipes import get_recipe
+
+    r = get_recipe(recipe)
+    if hasattr(r.config, "max_seq_len") and r.config.max_seq_len < seq:  # positions for the longer sequence
+        r = dataclasses.replace(r, config=dataclasses.replace(r.config, max_seq_len=seq))
+    state, batch_spec = r.abstract_state(), r.batch_spec(batch, seq)
+    progress(f"{recipe} step memory T={seq}")
+    found = conductor.inspect(r.train_step, state, batch_spec)
+    written = int(jax.jit(r.train_step).lower(state, batch_spec).compile().memory_analysis().temp_size_in_bytes)
+    fast_step = conductor.optimize(r.train_step)
+    rewritten = int(jax.jit(fast_step).lower(state, batch_spec).compile().memory_analysis().temp_size_in_bytes)
+    return Claim(
+        name=f"recipe_step_memory_{recipe}_T{seq}",
+        ok=written / rewritten >= min_ratio,
+        figures={
+            "batch": batch,
+            "seq": seq,
+            "rewritten": sorted({m.pattern for m, d in found if d.rewrite}),
+            "matches_rewritten": sum(d.rewrite for _, d in found),
+            "written_temp_bytes": written,
+            "rewritten_temp_bytes": rewritten,
+            "ratio": written / rewritten,
+            "target_ratio": min_ratio,
+        },
+    )
+
+
+def recipe_step_numerics_case(recipe: str, *, batch: int, seq: int, progress=lambda name: None) -> Claim:
+    """Loss and gradients of a recipe's step, written vs rewritten (default policy): relative error ≤ 1e-5."""
+    import conductor
+    from recipes import get_recipe
+    from recipes.train import loss_fn
+
+    progress(f"{recipe} step numerics T={seq}")
+    r = get_recipe(recipe)
+    state = jax.jit(lambda key: r.create_state(key))(jax.random.key(0))
+    data = r.batch_for_step(0, 0, batch, seq)
+
+    def loss_and_grads(apply):
+        return jax.jit(jax.value_and_grad(lambda p: loss_fn(p, apply, data)))(state.params)
+
+    (loss, grads), (fast_loss, fast_grads) = (
+        loss_and_grads(state.apply_fn),
+        loss_and_grads(conductor.optimize(state.apply_fn)),
+    )
+    loss_rel, grad_rel = abs(float(fast_loss - loss)) / abs(float(loss)), rel_diff(fast_grads, grads)
+    return Claim(
+        name=f"recipe_step_numerics_{recipe}_T{seq}",
+        ok=loss_rel <= 1e-5 and grad_rel <= 1e-5,
+        figures={"batch": batch, "seq": seq, "loss_rel_err": loss_rel, "grad_max_rel_err": grad_rel},
+    )
+
+
+def recipe_cases(progress=lambda name: None) -> list[Claim]:
+    """The recipes' own train steps: GPT at T=8192 (attention, ≥ 32×), Mamba at T=2048 and 8192
+    (selective scan, ≥ 16×), and Mamba's loss and gradients at a length the written form can run here."""
+    return [
+        recipe_step_memory_case("gpt2-small", batch=1, seq=8192, min_ratio=32.0, progress=progress),
+        recipe_step_memory_case("mamba-130m", batch=2, seq=2048, min_ratio=16.0, progress=progress),
+        recipe_step_memory_case("mamba-130m", batch=2, seq=8192, min_ratio=16.0, progress=progress),
+        recipe_step_numerics_case("mamba-130m", batch=2, seq=128, progress=progress),
+    ]
+
+
 def attention_numerics_cases(seq: int = 256, progress=lambda name: None) -> list[Claim]:
     """Pallas (interpreted on CPU) and ``xla_chunked`` vs the reference: forward ≤ 2e-6, gradients ≤ 1e-5."""
     cases = []
@@ -467,6 +539,7 @@ def all_cases(*, quick: bool = False, progress=lambda name: None) -> list[Claim]
     return (
         attention_memory_cases(progress=progress)
         + attention_spelling_memory_cases(progress=progress)
+        + recipe_cases(progress=progress)
         + attention_numerics_cases(progress=progress)
         + scan_cases(progress=progress)
         + [scan_pallas_case(progress=progress)]

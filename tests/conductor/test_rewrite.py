@@ -148,3 +148,23 @@ def test_inspect_of_a_train_step_reports_what_each_rewrite_replaces():
         assert f"exp float32[{b},{t},{di},{n}]" in decision.replaced
         assert any(e.startswith("scan ") for e in decision.replaced)
         assert not any(e.startswith("dot_general") for e in decision.replaced)  # the projections stay
+
+
+def test_the_fused_scan_keeps_no_state_and_fewer_activations_for_the_backward():
+    from recipes.train import loss_fn
+
+    r = get_recipe("mamba-tiny")
+    state, batch = r.abstract_state(), r.batch_spec(2, 256)
+    b, t, di, n = 2, 256, r.config.d_inner, r.config.d_state
+
+    def kept(apply):  # the shapes the backward pass keeps from the forward
+        def residuals(params, data):
+            return jax.tree.leaves(jax.vjp(lambda p: loss_fn(p, apply, data), params)[1])
+
+        found = jax.eval_shape(residuals, state.params, batch)
+        return [tuple(a.shape) for a in found]
+
+    written, fused = kept(state.apply_fn), kept(conductor.optimize(state.apply_fn))
+    assert (b, t, di, n) in written and (b, t, di, n) not in fused  # no (B, T, D, N) tensor is kept
+    activations = (b, t, di)  # the softplus, Δ·x, the skip and the gate are recomputed, not kept
+    assert fused.count(activations) < written.count(activations) - 3, (written.count(activations), fused)

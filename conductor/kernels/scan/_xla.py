@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 
 def _step(a):
@@ -38,6 +39,11 @@ def selective_scan_xla_chunked(dt, a, v, b, c, *, chunk: int):
     def one_chunk(h, xs):
         return lax.scan(_step(a), h, xs)
 
+    def boundary(h, xs):
+        # named, so that a checkpoint around the kernel (conductor.optimize's fused island) keeps the
+        # boundary states rather than recomputing the whole forward scan in the backward
+        return one_chunk(checkpoint_name(h, "conductor_scan_state"), xs)
+
     h0 = jnp.zeros((batch, d, a.shape[1]), jnp.result_type(dt, a, v, b))
-    _, y = lax.scan(one_chunk, h0, tuple(chunks(x) for x in (dt, v, b, c)))
+    _, y = lax.scan(boundary, h0, tuple(chunks(x) for x in (dt, v, b, c)))
     return jnp.swapaxes(y.reshape(seq, batch, d), 0, 1)
