@@ -8,6 +8,10 @@ that keeps only what the kernel names (its chunk-boundary states and its output)
 backward pass recomputes the island from its inputs instead of keeping every intermediate of
 size (B, T, D).
 
+Only kernels that name their residuals (``checkpoint_name``) take part: the checkpoint policy can
+keep a named value but not the residuals inside a ``custom_vjp``, so around one the backward would
+run the kernel's forward again.
+
 The island grows backward from the kernel's inputs through cheap equations whose every output is
 used only inside it, and forward from the kernel's outputs through cheap equations whose other
 inputs do not themselves depend on the kernel (so the island stays one region that can be

@@ -77,7 +77,9 @@ def _scan(match: Match, decision: Decision) -> Substitution:
 
     inputs = (sel["dt"], sel["a"], sel["v"], sel["b"], sel["c"])
     core = Substitution(anchor=match.anchor, inputs=inputs, outvars=(ys,), fn=fn)
-    return fused(match.level, core)
+    # only the XLA kernel names its residuals for the island's checkpoint policy; around the Pallas
+    # kernel's custom VJP a checkpoint would run its forward kernel again in the backward
+    return fused(match.level, core) if decision.implementation == "xla_chunked" else core
 
 
 def _recurrence(match: Match) -> Substitution:

@@ -168,3 +168,16 @@ def test_the_fused_scan_keeps_no_state_and_fewer_activations_for_the_backward():
     assert (b, t, di, n) in written and (b, t, di, n) not in fused  # no (B, T, D, N) tensor is kept
     activations = (b, t, di)  # the softplus, Δ·x, the skip and the gate are recomputed, not kept
     assert fused.count(activations) < written.count(activations) - 3, (written.count(activations), fused)
+
+
+def test_the_pallas_scan_runs_its_forward_kernel_once_per_layer():
+    import re
+
+    from recipes.train import loss_fn
+
+    r = get_recipe("mamba-tiny")
+    state, batch = r.abstract_state(), r.batch_spec(2, 256)
+    fast = conductor.optimize(state.apply_fn, policy=conductor.Policy(implementation="pallas"))
+    text = str(jax.make_jaxpr(jax.grad(lambda p, b: loss_fn(p, fast, b)))(state.params, batch))
+    assert len(re.findall("name=conductor_scan_fwd", text)) == r.config.num_layers  # not again in the backward
+    assert len(re.findall("name=conductor_scan_bwd", text)) == r.config.num_layers
