@@ -5,14 +5,17 @@ from orchestrator.bench._conductor import all_cases as conductor_claims
 from orchestrator.bench._dag import run_suite as run_dag_suite
 from orchestrator.bench._fidelity import compute_cases, fidelity_cases
 from orchestrator.bench._planner import run_suite as run_planner_suite
+from orchestrator.bench._published import bench_published, load_runs
 from orchestrator.bench._replan import run_suite as run_replan_suite
 from orchestrator.bench._replan_live import run as run_replanner_suite
 
 __all__ = [
     "Case",
+    "bench_published",
     "compute_cases",
     "conductor_claims",
     "fidelity_cases",
+    "load_runs",
     "rel_err",
     "run_dag_suite",
     "run_planner_suite",

@@ -24,8 +24,8 @@ reason.
 from __future__ import annotations
 
 import functools
-import math
 import re
+import statistics
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -133,7 +133,7 @@ def run_cluster(run: PublishedRun):
     from orchestrator.cluster import parse_cluster
 
     gpu = GPUS[run.cluster["gpu"]]
-    per_host = run.cluster["gpus_per_node"]
+    per_host = run.cluster["gpus_per_node"] or 8  # unpublished: DGX nodes of 8
     hosts, rest = divmod(run.cluster["gpus"], per_host)
     if rest:
         raise ValueError(f"run {run.id}: {run.cluster['gpus']} GPUs is not whole hosts of {per_host}")
@@ -213,26 +213,91 @@ def price(run: PublishedRun, model=None) -> dict:
     return {"priced_s": ev.iteration_s, "fits": ev.feasible, "microbatches": M, "breakdown": dict(ev.breakdown)}
 
 
-def bench_published(*, plan: bool = True, time_limit_s: float = 60.0, progress=None) -> list[dict]:
-    """One row per run: measured vs priced (and planned) seconds per iteration."""
+def fitting_runs(runs: list[PublishedRun]) -> list[PublishedRun]:
+    """The runs the A100 scale is fitted on: every other priced A100 run in file order (at most half
+    of the priced runs); the rest, and every H100 run, are held out."""
+    a100 = [run for run in runs if run.gpu_type == "a100" and not run.unsupported()]
+    return a100[::2]
+
+
+def efficiency_for(gpu_type: str, a100_scale: float = 1.0):
+    """The H100-measured efficiency (``_gpu_efficiency``), scaled by ``a100_scale`` on an A100."""
+    from orchestrator.bench._gpu_efficiency import gpu_efficiency
+    from orchestrator.costs import EFFICIENCY_CLASSES, Efficiency
+
+    eff = gpu_efficiency()
+    if gpu_type != "a100" or a100_scale == 1.0:
+        return eff
+    scaled = ("matmul", "memory", "memory_streamed", "movement")
+    return Efficiency(**{k: getattr(eff, k) * (a100_scale if k in scaled else 1.0) for k in EFFICIENCY_CLASSES})
+
+
+def a100_scale(runs: list[PublishedRun], progress=None) -> float:
+    """The factor on the H100's efficiencies that makes the fitting runs' priced times match their
+    measured ones in the median (the priced time scales as its inverse)."""
+    ratios = []
+    for run in fitting_runs(runs):
+        if progress:
+            progress(f"{run.id}: fitting the A100 scale")
+        priced = price(run, run_model(run, efficiency_for("a100")))["priced_s"]
+        ratios.append(priced / run.measured_s())
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def bench_published(*, plan: bool = True, time_limit_s: float = 60.0, progress=None) -> dict:
+    """Measured vs priced (and planned) seconds per iteration of every published run, with the
+    errors of the fitted and the held-out runs apart."""
+    runs = load_runs()
+    scale = a100_scale(runs, progress)
+    fitted = {run.id for run in fitting_runs(runs)}
     rows = []
-    for run in load_runs():
+    for run in runs:
         row: dict[str, Any] = {
             "id": run.id,
             "gpus": run.cluster["gpus"],
             "gpu": run.cluster["gpu"],
             "published": "TP{tp} PP{pp} DP{dp}".format(**run.parallel),
             "measured_s": run.measured_s(),
+            "role": "fitted" if run.id in fitted else "held_out",
         }
         why = run.unsupported()
         if why:
-            row["not_priced"] = why
-            rows.append(row)
+            rows.append({**row, "role": "not_priced", "not_priced": why})
             continue
         if progress:
-            progress(f"{run.id}: capturing and pricing")
-        model = run_model(run)
+            progress(f"{run.id}: pricing")
+        model = run_model(run, efficiency_for(run.gpu_type, scale))
         row.update(price(run, model))
-        row["error"] = rel_err(row["priced_s"], row["measured_s"]) if math.isfinite(row["priced_s"]) else None
+        row["error"] = rel_err(row["priced_s"], row["measured_s"])
+        if plan:
+            row.update(_planned(run, model, time_limit_s))
         rows.append(row)
-    return rows
+    summary = {}
+    for role in ("fitted", "held_out"):
+        errors = [abs(r["error"]) for r in rows if r["role"] == role]
+        if errors:
+            summary[role] = {
+                "runs": len(errors),
+                "median_abs_error": statistics.median(errors),
+                "max_abs_error": max(errors),
+            }
+    return {"a100_scale": scale, "rows": rows, "summary": summary}
+
+
+def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
+    """The planner's own plan of the run's model on the run's cluster."""
+    from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
+
+    try:
+        found = plan(
+            model, global_batch=run.global_batch, time_limit_s=time_limit_s, zero=bool(run.parallel.get("zero"))
+        )
+    except (PlanInfeasible, PlanNotFound) as err:
+        return {"planned_s": None, "plan_error": str(err).splitlines()[0]}
+    stages = found.stages
+    return {
+        "planned_s": found.iteration_s,
+        "planned_gap": found.gap,
+        "planned": f"{len(stages)} stages, TP {'/'.join(str(s.tp) for s in stages)}, "
+        f"DP {'/'.join(str(s.dp) for s in stages)}, M {found.microbatches}",
+    }

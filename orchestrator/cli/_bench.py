@@ -270,3 +270,54 @@ def conductor(
     from orchestrator.cli._conductor import conductor_command
 
     conductor_command(as_json=as_json, quick=quick)
+
+
+@bench_app.command("published")
+def published(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON {a100_scale, rows, summary}.")] = False,
+    plan: Annotated[bool, typer.Option(help="Also plan each model on its cluster from scratch.")] = False,
+    time_limit_s: Annotated[float, typer.Option(min=0.1, help="Planner time limit per run (with --plan).")] = 60.0,
+) -> None:
+    """Published GPU training runs (Megatron-LM, Korthikanti et al., Megatron-Core, Llama 3): measured
+    vs priced seconds per iteration, fitted and held-out runs reported apart; exit 1 if a priced run
+    is off by more than 20% or the held-out median by more than 10%."""
+    from orchestrator.bench import bench_published
+
+    out = _run(bench_published, "pricing", plan=plan, time_limit_s=time_limit_s)
+    if as_json:
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        columns = (
+            "GPUs",
+            "published",
+            "role",
+            "measured s",
+            "priced s",
+            "error",
+            *(("planned s", "plan") if plan else ()),
+        )
+        table = _table("published runs: seconds per iteration", "run", columns)
+        for r in out["rows"]:
+            priced = "error" in r
+            table.add_row(
+                r["id"],
+                str(r["gpus"]),
+                r["published"],
+                r["role"],
+                _cell(r["measured_s"]),
+                _cell(r.get("priced_s")),
+                f"{r['error']:+.1%}" if priced else r.get("not_priced", "-"),
+                *((_cell(r.get("planned_s")), r.get("planned", r.get("plan_error", "-"))) if plan else ()),
+            )
+        console = Console(width=220)
+        console.print(table)
+        console.print(f"A100 efficiency: the H100-measured one × {out['a100_scale']:.3f} (fitted on the 'fitted' runs)")
+        for role, s in out["summary"].items():
+            console.print(
+                f"{role}: {s['runs']} runs, median |error| {s['median_abs_error']:.1%}, max {s['max_abs_error']:.1%}"
+            )
+    errors = [abs(r["error"]) for r in out["rows"] if "error" in r]
+    held = out["summary"].get("held_out", {})
+    if any(e > 0.2 for e in errors) or held.get("median_abs_error", 0.0) > 0.1:
+        raise typer.Exit(code=1)

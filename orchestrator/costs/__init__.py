@@ -2,7 +2,7 @@
 
 from orchestrator.costs._collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
-from orchestrator.costs._liveness import Liveness, liveness
+from orchestrator.costs._liveness import Liveness, liveness, traffic_bytes
 from orchestrator.costs._model import CostModel, LayerCost, ParallelConfig
 from orchestrator.costs._roofline import EFFICIENCY_CLASSES, Efficiency, op_terms, op_time_s
 from orchestrator.costs._sharding import (
@@ -42,4 +42,5 @@ __all__ = [
     "synced_gradient_bytes",
     "tensor_parallel_axes",
     "tensor_parallel_traits",
+    "traffic_bytes",
 ]

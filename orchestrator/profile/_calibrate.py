@@ -40,24 +40,38 @@ def predict(
 def calibrate(
     pieces: Sequence[tuple[Sequence[Op], float]],
     device: DeviceType,
-    traffic: Mapping[str, float] | None = None,
+    traffic: Mapping[str, float] | Sequence[Mapping[str, float]] | None = None,
+    *,
+    fixed: Mapping[str, float] | None = None,
 ) -> Efficiency:
     """Efficiencies that best explain ``pieces`` = [(ops, measured seconds), ...].
 
-    A class the pieces do not exercise (all-zero column) keeps its default.
+    ``traffic``: one table for all pieces, or one per piece (pieces captured from different
+    graphs). ``fixed``: classes held at the given efficiency and not fitted (on a GPU,
+    elementwise arithmetic is never what bounds a fused kernel, so ``other`` and
+    ``transcendental`` are held and their time goes to ``memory``). A class the pieces do not
+    exercise (all-zero column) keeps its default.
     """
     from scipy.optimize import nnls
 
-    rows = [(features(ops, device, traffic), t) for ops, t in pieces if t > 0 and ops]
+    fixed = dict(fixed or {})
+    tables = traffic if isinstance(traffic, Sequence) else [traffic] * len(pieces)
+    rows = [(features(ops, device, table), t) for (ops, t), table in zip(pieces, tables) if t > 0 and ops]
     if not rows:
         raise ValueError("calibrate needs at least one measured piece with ops")
+    held = np.array([name in fixed for name in _NAMES])
+    held_inverse = np.array([1.0 / fixed[name] if name in fixed else 0.0 for name in _NAMES])
     a = np.array([f / t for f, t in rows])
-    used = a.any(axis=0)
+    rest = 1.0 - a[:, held] @ held_inverse[held]  # what the fitted classes must explain
+    used = a.any(axis=0) & ~held
     inverse = np.zeros(len(_NAMES))
-    inverse[used], _ = nnls(a[:, used], np.ones(len(rows)))
+    inverse[used], _ = nnls(a[:, used], rest)
     default = Efficiency()
     values = {}
     for name, used_here, c in zip(_NAMES, used, inverse):
         # unused: keep the default; fitted to zero: the class costs nothing measurable here
-        values[name] = float(getattr(default, name) if not used_here else (1.0 / c if c > 0.01 else 100.0))
+        if name in fixed:
+            values[name] = float(fixed[name])
+        else:
+            values[name] = float(getattr(default, name) if not used_here else (1.0 / c if c > 0.01 else 100.0))
     return Efficiency(**values)

@@ -495,3 +495,43 @@ def test_piecewise_linear_meets_its_points_and_extends_its_last_piece():
     assert [_piecewise_linear(points, x) for x in (0.0, 0.125, 0.25, 0.625, 1.0, 2.0)] == pytest.approx(
         [1.0, 2.5, 4.0, 7.0, 10.0, 18.0]
     )
+
+
+def _bf16_tiny_model(**options):
+    config = dataclasses.replace(get_recipe("gpt-tiny").config, dtype="bfloat16")
+    recipe = dataclasses.replace(get_recipe("gpt-tiny"), config=config)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    return CostModel(
+        graph,
+        coarsen(graph),
+        load_cluster("a100x8"),
+        batch_size=recipe.batch_size,
+        param_axes=recipe.param_axes(),
+        **options,
+    ), graph
+
+
+def test_work_on_a_sharded_parameter_alone_is_split_by_tensor_parallelism():
+    """Casting a column- or row-parallel kernel to bf16 touches one shard on each device."""
+    model, graph = _bf16_tiny_model()
+    traits = model.traits_for(2)
+    casts = [
+        op.name
+        for op in graph.ops()
+        if op.primitive == "convert_element_type"
+        and op.param_reads
+        and traits.param_roles[op.param_reads[0]] in ("column", "row")
+    ]
+    assert casts and all(name in traits.split_ops for name in casts)
+
+
+def test_weights_once_moves_parameter_casts_from_every_microbatch_to_the_step():
+    per_microbatch, _ = _bf16_tiny_model()
+    per_step, _ = _bf16_tiny_model(weights_once=True)
+    config = ParallelConfig(microbatch_size=8)
+    every = per_microbatch.layer_cost(1, "a100", config)
+    once = per_step.layer_cost(1, "a100", config)
+    moved = once.breakdown["weights_once_s"]
+    assert moved > 0 and every.breakdown["weights_once_s"] == 0.0
+    assert once.forward_s + once.backward_s + moved == pytest.approx(every.forward_s + every.backward_s)
+    assert once.optimizer_s == pytest.approx(every.optimizer_s + moved)
