@@ -28,10 +28,11 @@ public to the benches (its ``__all__``).
 
 from orchestrator.planner._driver import plan
 from orchestrator.planner._options import SearchOptions
-from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound, Stage
+from orchestrator.planner._plan import Coverage, Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._replan import cached_plan, fingerprint, replan
 
 __all__ = [
+    "Coverage",
     "Plan",
     "PlanInfeasible",
     "PlanNotFound",

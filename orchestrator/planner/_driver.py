@@ -41,7 +41,7 @@ from orchestrator.planner._pieces import Certificate, Piece, close_beaten
 from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound
 from orchestrator.planner._scope import Scope
 from orchestrator.planner._solve import first_pass, rounds
-from orchestrator.planner._space import DEFAULT_MICROBATCHES, SearchSpace, search_space
+from orchestrator.planner._space import SearchSpace, microbatch_counts, search_space
 from orchestrator.planner._starts import first_incumbent
 from orchestrator.planner._workers import PieceWorkers, default_workers
 
@@ -53,7 +53,7 @@ def plan(
     *,
     global_batch: int,
     schedule: str = "1f1b",
-    microbatch_candidates: tuple[int, ...] = DEFAULT_MICROBATCHES,
+    microbatch_candidates: tuple[int, ...] | None = None,
     max_stages: int | None = None,
     time_limit_s: float = 30.0,
     gap: float = 1e-3,
@@ -78,7 +78,8 @@ def plan(
       global_batch: samples per step; M must divide it, and each stage's data-parallel
         degree must divide the microbatch.
       schedule: "1f1b" or "gpipe" (what in-flight activations each stage holds).
-      microbatch_candidates: the M to consider.
+      microbatch_candidates: the M to consider (those dividing ``global_batch``); None: every
+        divisor of ``global_batch``.
       max_stages: the largest pipeline depth (default: layers, at most 16).
       time_limit_s: wall-clock budget for all solves; the incumbent and its gap are
         returned when it runs out.
@@ -126,7 +127,7 @@ def plan(
     mixed = options.offers_mixed(model.cluster, mixed_stages)
     space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed)
     max_stages = min(max_stages or 16, space.layers, len(model.cluster.devices()))
-    candidates = sorted((m for m in microbatch_candidates if global_batch % m == 0), reverse=True)
+    candidates = microbatch_counts(global_batch, microbatch_candidates)
     log.debug(
         "search space in %.2f s: %d groups, %d runs, M in %s",
         time.perf_counter() - started,
@@ -190,6 +191,7 @@ def plan(
         started=started,
         prefer_devices=prefer_devices,
         objective=found.score,
+        covered=space.coverage(candidates, max_stages),
     )
 
 

@@ -94,26 +94,36 @@ def type_infos(cluster: Cluster) -> dict[str, TypeInfo]:
 
 
 def group_configs(
-    infos: dict[str, TypeInfo], *, max_size: int | None = None, recompute: bool = True, tensor_parallel: bool = True
+    infos: dict[str, TypeInfo],
+    *,
+    max_size: int | None = None,
+    recompute: bool = True,
+    tensor_parallel: bool = True,
+    global_batch: int | None = None,
 ) -> list[GroupConfig]:
+    """Groups of one type: a power of two within a host, or h whole hosts for h a power of two,
+    all the type's hosts, or (given ``global_batch``) any h whose data-parallel degree h·per_host/tp
+    divides the batch for some tp, as published runs use (DP 24 on 192 A100s); with
+    ``global_batch``, a group whose data-parallel degree does not divide it is left out, since no
+    microbatch count can feed it."""
     configs = []
     for info in infos.values():
         sizes, n = [], 1
         while n <= info.per_host:
             sizes.append(n)
             n *= 2
-        hosts, k = info.devices // info.per_host, 2
-        while k < hosts:
-            sizes.append(k * info.per_host)
-            k *= 2
-        if hosts > 1:
-            sizes.append(hosts * info.per_host)
+        hosts = info.devices // info.per_host
+        counts = {2**k for k in range(1, hosts.bit_length()) if 2**k < hosts} | ({hosts} if hosts > 1 else set())
+        if global_batch:
+            tps = [t for t in (2**k for k in range(info.per_host.bit_length())) if info.per_host % t == 0]
+            counts |= {h for h in range(2, hosts + 1) if any(global_batch % (h * info.per_host // t) == 0 for t in tps)}
+        sizes += [h * info.per_host for h in sorted(counts)]
         for size in sizes:
             if size > info.devices or (max_size and size > max_size):
                 continue
             tp = 1
             while tp <= min(size, info.per_host) and (tensor_parallel or tp == 1):
-                if size % tp == 0:
+                if size % tp == 0 and not (global_batch and global_batch % (size // tp)):
                     for rc in (False, True) if recompute else (False,):
                         configs.append(GroupConfig(device_type=info.name, size=size, tp=tp, recompute=rc))
                 tp *= 2

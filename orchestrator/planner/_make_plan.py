@@ -9,7 +9,7 @@ from orchestrator.costs import CostModel
 from orchestrator.planner._diagnose import binding_notes
 from orchestrator.planner._evaluate import Evaluation
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._plan import Plan, PlanInfeasible, Stage
+from orchestrator.planner._plan import Coverage, Plan, PlanInfeasible, Stage
 from orchestrator.planner._space import SearchSpace
 from orchestrator.solver import highs_available
 
@@ -29,10 +29,11 @@ def make_plan(
     started: float,
     prefer_devices: list[tuple[str, ...] | None] | None = None,
     objective: float | None = None,
+    covered: Coverage | None = None,
 ) -> Plan:
     """The :class:`Plan` of an evaluated solution: devices allocated (``prefer_devices`` by
     position from the end), certified ``bound`` (s) on the step time; ``objective`` defaults to
-    the step time."""
+    the step time; ``covered``: the search space ``bound`` holds over."""
     S = len(chosen)
     prefer = [
         prefer_devices[S - 1 - s] if prefer_devices and S - 1 - s < len(prefer_devices) else None for s in range(S)
@@ -75,6 +76,7 @@ def make_plan(
         gap=final_gap,
         solve_s=time.perf_counter() - started,
         notes=binding_notes(stages, chosen, M, ev, space),
+        space=covered,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -76,6 +77,40 @@ class Stage:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Coverage:
+    """The search space a plan's certified gap covers: no plan in it is faster than ``Plan.bound``.
+
+    Attributes:
+      microbatches: the microbatch counts M searched.
+      max_stages: the deepest pipeline searched.
+      groups: every stage configuration searched, as (device type, devices, tp, recompute); a stage
+        of a plan in the space is one of them, at any position.
+    """
+
+    microbatches: tuple[int, ...]
+    max_stages: int
+    groups: tuple[tuple[str, int, int, bool], ...]
+
+    def contains(self, *, microbatches: int, stages: Sequence[tuple[str, int, int, bool]]) -> bool:
+        """Whether a plan of ``stages`` (one (type, devices, tp, recompute) each) at ``microbatches``
+        lies in this space."""
+        known = set(self.groups)
+        return (
+            microbatches in self.microbatches
+            and 1 <= len(stages) <= self.max_stages
+            and all(tuple(stage) in known for stage in stages)
+        )
+
+    @classmethod
+    def from_json(cls, data: dict) -> Coverage:
+        return cls(
+            microbatches=tuple(data["microbatches"]),
+            max_stages=data["max_stages"],
+            groups=tuple((kind, size, tp, bool(rc)) for kind, size, tp, rc in data["groups"]),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """A training-step plan and what it is predicted to cost.
 
@@ -87,6 +122,8 @@ class Plan:
       iteration_s: predicted step time; ``breakdown`` splits it.
       solver, status, objective, bound, gap, solve_s: how the plan was found.
       notes: which constraints bind and why each stage sits where it does.
+      space: the search space the certified ``gap`` covers (:class:`Coverage`; None for a plan
+        whose bound covers less, such as an uncertified repair).
       source: what the plan was made for, when known (``recipe``, ``cluster``, ``seq``, and
         ``cluster_spec``, the cluster itself as its YAML mapping), so ``orchestrator simulate``,
         ``report`` and ``train --plan`` can rebuild its cost model from any directory.
@@ -105,6 +142,7 @@ class Plan:
     gap: float = 0.0
     solve_s: float = 0.0
     notes: tuple[str, ...] = ()
+    space: Coverage | None = None
     source: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -120,6 +158,12 @@ class Plan:
             for s in self.stages
         ]
         data["notes"] = list(self.notes)
+        if self.space is not None:
+            data["space"] = {
+                "microbatches": list(self.space.microbatches),
+                "max_stages": self.space.max_stages,
+                "groups": [list(group) for group in self.space.groups],
+            }
         return data
 
     @classmethod
@@ -136,7 +180,12 @@ class Plan:
             )
             for s in data["stages"]
         )
-        return _checked(cls(**{**data, "stages": stages, "notes": tuple(data.get("notes", ()))}))
+        try:
+            space = Coverage.from_json(data["space"]) if data.get("space") else None
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"space: not a search space ({err!r})") from None
+        notes = tuple(data.get("notes", ()))
+        return _checked(cls(**{**data, "stages": stages, "notes": notes, "space": space}))
 
     def explain(self) -> str:
         """A table of the stages and the predicted step time, as text (rich renders it)."""

@@ -49,7 +49,7 @@ from orchestrator.planner._migration import Migration
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._plan import Plan, PlanNotFound
 from orchestrator.planner._rebalance import Rebalancer
-from orchestrator.planner._space import DEFAULT_MICROBATCHES, search_space
+from orchestrator.planner._space import microbatch_counts, search_space
 from orchestrator.planner._split import StageCosts, min_bottleneck_split
 from orchestrator.solver import solve
 
@@ -236,7 +236,7 @@ def replan(
     model,
     *,
     global_batch: int | None = None,
-    microbatch_candidates: tuple[int, ...] = DEFAULT_MICROBATCHES,
+    microbatch_candidates: tuple[int, ...] | None = None,
     max_stages: int | None = None,
     time_limit_s: float = 30.0,
     gap: float = 1e-3,
@@ -270,7 +270,7 @@ def replan(
     settings = {
         "global_batch": global_batch or previous.global_batch,
         "schedule": previous.schedule,
-        "microbatch_candidates": tuple(microbatch_candidates),
+        "microbatch_candidates": None if microbatch_candidates is None else tuple(microbatch_candidates),
         "max_stages": max_stages,
         "gap": gap,
         "recompute": recompute,
@@ -292,7 +292,7 @@ def replan(
     space = search_space(
         model, settings["global_batch"], recompute=recompute, zero=settings["zero"], mixed=mixed_stages
     )
-    candidates = [m for m in microbatch_candidates if settings["global_batch"] % m == 0]
+    candidates = microbatch_counts(settings["global_batch"], microbatch_candidates)
     ordered = sorted(candidates, key=lambda m: (m != previous.microbatches, -m))  # the previous M first
     migration = Migration.from_plan(previous, model, space.links, horizon_steps) if horizon_steps else None
     repaired = _repair(previous, model, space, ordered, max(0.2, time_limit_s / 4), migration)

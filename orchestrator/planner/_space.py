@@ -16,9 +16,16 @@ from orchestrator.planner._groups import (
     with_mixed_links,
 )
 from orchestrator.planner._ilp import Run, StageModel, layer_runs
+from orchestrator.planner._plan import Coverage
 from orchestrator.planner._table import CostTable
 
-DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+def microbatch_counts(global_batch: int, candidates: tuple[int, ...] | None = None) -> list[int]:
+    """The microbatch counts M a search tries, largest first: those of ``candidates`` that divide
+    the batch, or (None) every divisor of it, as published runs use (M = 48 of a batch of 2304)."""
+    if candidates is None:
+        return [m for m in range(global_batch, 0, -1) if global_batch % m == 0]
+    return sorted((m for m in candidates if global_batch % m == 0), reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +38,11 @@ class SearchSpace:
     links: dict[tuple[str, str], Link]
     runs: list[Run]
     layers: int
+
+    def coverage(self, microbatches, max_stages: int) -> Coverage:
+        """This space searched at ``microbatches`` (counts M) up to ``max_stages`` stages."""
+        groups = tuple((g.device_type, g.size, g.tp, g.recompute) for g in self.groups)
+        return Coverage(microbatches=tuple(microbatches), max_stages=max_stages, groups=groups)
 
     def stage_model(
         self,
@@ -63,7 +75,9 @@ def search_space(
     infos = type_infos(model.cluster)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
-    groups = group_configs(infos, **settings) + (mixed_group_configs(infos, **settings) if mixed else [])
+    groups = group_configs(infos, global_batch=global_batch, **settings) + (
+        mixed_group_configs(infos, **settings) if mixed else []
+    )
     links = pair_links(model.cluster, infos)
     return SearchSpace(
         infos=infos,

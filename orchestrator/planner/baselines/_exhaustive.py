@@ -23,7 +23,7 @@ def exhaustive_plan(model: CostModel, **settings) -> Evaluation | None:
     space = sweep.space
     best = None
     for S in sweep.stage_counts:
-        for M in sweep.divisors:
+        for M in sweep.candidates:
             valid = [g for g in space.groups if space.table.microbatch(g, M) is not None]
             for stages in _partitions(space.layers, S):
                 for chosen in itertools.product(valid, repeat=S):

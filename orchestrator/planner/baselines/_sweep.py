@@ -11,7 +11,7 @@ from orchestrator.costs import CostModel
 from orchestrator.planner._evaluate import Evaluation, evaluate
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import in_flight
-from orchestrator.planner._space import DEFAULT_MICROBATCHES, SearchSpace, search_space
+from orchestrator.planner._space import SearchSpace, microbatch_counts, search_space
 from orchestrator.planner._split import StageCosts, configs_for, configure, fastest_times, min_bottleneck_split
 
 Blocks = list[tuple[str, int]]  # (device type, devices) per stage
@@ -57,7 +57,7 @@ class Sweep:
       model: the cost model (its layers and cluster).
       global_batch: samples per step; only the microbatch counts that divide it are tried.
       schedule: "1f1b" or "gpipe".
-      microbatch_candidates: the microbatch counts to try (largest first).
+      microbatch_candidates: the microbatch counts to try (None: every divisor of the batch).
       max_stages: the deepest pipeline (default: layers, at most 16, at most the devices).
       recompute: also offer groups that recompute their forward.
       zero: price data-parallel stages with ZeRO-1.
@@ -73,7 +73,7 @@ class Sweep:
         *,
         global_batch: int,
         schedule: str = "1f1b",
-        microbatch_candidates: tuple[int, ...] = DEFAULT_MICROBATCHES,
+        microbatch_candidates: tuple[int, ...] | None = None,
         max_stages: int | None = None,
         recompute: bool = True,
         zero: bool = False,
@@ -84,8 +84,7 @@ class Sweep:
     ):
         self.model, self.schedule, self.deadline = model, schedule, deadline
         self.space = space or search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed_stages)
-        self.divisors = [m for m in microbatch_candidates if global_batch % m == 0]  # (in the order given)
-        self.candidates = sorted(self.divisors, reverse=True)
+        self.candidates = microbatch_counts(global_batch, microbatch_candidates)
         self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
         self.stage_counts = (
             [S for S in stage_counts if S <= self.max_stages] if stage_counts else range(1, self.max_stages + 1)

@@ -3,7 +3,15 @@
 import pytest
 
 from orchestrator.bench._gpu_efficiency import fit_report, gpu_efficiency
-from orchestrator.bench._published import efficiency_for, fitting_runs, load_runs, price, published_stages, run_model
+from orchestrator.bench._published import (
+    efficiency_for,
+    fitting_runs,
+    load_runs,
+    price,
+    published_stages,
+    run_cluster,
+    run_model,
+)
 from orchestrator.planner._table import CostTable
 
 
@@ -50,3 +58,32 @@ def test_an_inter_stage_transfer_spreads_over_the_senders_links():
     link = model.cluster.cluster_link
     one, eight = table.send_s(1, 32, link), table.send_s(1, 32, link, 8)
     assert eight - link.latency_s == pytest.approx((one - link.latency_s) / 8)
+
+
+@pytest.mark.parametrize("run_id", ["megatron-sc21-gpt-145.6b", "megatron-sc21-gpt-310.1b", "korthikanti-175b"])
+def test_the_planners_space_contains_the_published_configuration(run_id):
+    """DP 24 and DP 15 on whole hosts, M = 48 and 144 (not powers of two), PP up to 16: in the space
+    the planner searches by default for that batch on that cluster (the model's width does not
+    change the space, so a narrow GPT of the run's depth stands in for it)."""
+    import dataclasses
+
+    from integrations.flax import capture
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel
+    from orchestrator.planner._space import microbatch_counts, search_space
+    from recipes import GPTConfig, Recipe
+
+    run = next(r for r in load_runs() if r.id == run_id)
+    p = run.parallel
+    config = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=run.model["layers"], num_heads=2, d_model=16)
+    recipe = Recipe(name="narrow", config=config, batch_size=1, seq_len=16)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, 16))
+    model = CostModel(graph, coarsen(graph), run_cluster(run), batch_size=1, param_axes=recipe.param_axes())
+    space = search_space(model, run.global_batch, recompute=True, zero=bool(p["zero"]), mixed=False)
+    max_stages = min(16, space.layers, len(model.cluster.devices()))  # plan()'s default
+    covered = space.coverage(microbatch_counts(run.global_batch), max_stages)
+    stage = (run.gpu_type, p["tp"] * p["dp"], p["tp"], p["recompute"] == "full")
+    M = run.global_batch // (p["dp"] * p["microbatch_size"])
+    assert covered.contains(microbatches=M, stages=[stage] * p["pp"])
+    assert not covered.contains(microbatches=M, stages=[stage] * (max_stages + 1))
+    assert not dataclasses.replace(covered, microbatches=(1, 2, 4)).contains(microbatches=M, stages=[stage])

@@ -69,6 +69,11 @@ def test_ilp_equals_exhaustive(tiny, name):
     for stage in found.stages:
         assert len(stage.devices) == stage.tp * stage.dp
         assert stage.memory_bytes <= model.cluster.device_types[stage.device_type].memory_bytes
+    # the certified gap covers the space searched, which holds the plan itself
+    own = [(s.device_type, s.tp * s.dp, s.tp, s.recompute) for s in found.stages]
+    assert found.space.microbatches == (4, 2, 1)
+    assert found.space.max_stages == min(3, len(model.cluster.devices()))
+    assert found.space.contains(microbatches=found.microbatches, stages=own)
     assert Plan.from_json(found.to_json()) == found
 
 
