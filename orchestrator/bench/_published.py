@@ -151,17 +151,24 @@ def run_cluster(run: PublishedRun):
 
 
 @functools.cache
-def _graph(layers: int, hidden: int, heads: int, vocab: int, seq: int):
+def _graph(layers: int, hidden: int, heads: int, vocab: int, seq: int, flash: bool):
+    """The GPT's train step captured at one sequence; with ``flash``, its attention rewritten by the
+    conductor into the flash-attention kernels (whose declared cost the capture reads), as runs
+    through Transformer Engine compute it."""
+    import conductor
     from integrations.flax import capture
     from orchestrator.coarsen import coarsen
-    from recipes import GPT, GPTConfig, Recipe
+    from recipes import GPTConfig, Recipe
 
     config = GPTConfig(
         vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads, d_model=hidden, dtype="bfloat16"
     )
     recipe = Recipe(name="published", config=config, batch_size=1, seq_len=seq)
-    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, seq))
-    del GPT
+    step = recipe.train_step
+    if flash:
+        policy = conductor.Policy(attention="force", implementation="pallas", guard=False)
+        step = conductor.optimize(step, policy=policy)
+    graph = capture(step, recipe.abstract_state(), recipe.batch_spec(1, seq))
     return graph, coarsen(graph), recipe.param_axes()
 
 
@@ -170,7 +177,8 @@ def run_model(run: PublishedRun, efficiency=None):
     from orchestrator.costs import CostModel
 
     m = run.model
-    graph, layers, axes = _graph(m["layers"], m["hidden"], m["heads"], m["vocab"], m["seq_len"])
+    flash = m.get("attention") == "flash"
+    graph, layers, axes = _graph(m["layers"], m["hidden"], m["heads"], m["vocab"], m["seq_len"], flash)
     eff = {run.gpu_type: efficiency} if efficiency else None
     return CostModel(graph, layers, run_cluster(run), batch_size=1, param_axes=axes, efficiency=eff, weights_once=True)
 

@@ -50,13 +50,25 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(code=2)
 
 
-def recipe_or_fail(name: str):
-    """The recipe called ``name``, or a one-line error naming the recipes there are."""
+DTYPES = ("float32", "bfloat16")
+
+
+def recipe_or_fail(name: str, dtype: str | None = None):
+    """The recipe called ``name``, computing in ``dtype`` (None: the recipe's own; parameters stay
+    float32, as mixed-precision training keeps them), or a one-line error naming the recipes or
+    dtypes there are."""
+    import dataclasses
+
     from recipes import RECIPES
 
     if not isinstance(name, str) or name not in RECIPES:
         fail(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
-    return RECIPES[name]
+    if dtype is None:
+        return RECIPES[name]
+    if dtype not in DTYPES:
+        fail(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    spec = RECIPES[name]
+    return dataclasses.replace(spec, config=dataclasses.replace(spec.config, dtype=dtype))
 
 
 def seq_or_fail(spec, seq: int | None, flag: str = "--seq") -> int:
@@ -106,6 +118,7 @@ class PlanSource:
     seq: int | None
     cluster: object  # orchestrator.cluster.Cluster
     cluster_name: str  # as given to orchestrator plan: a preset name or a YAML path
+    dtype: str | None = None  # the compute dtype it was planned in (None: the recipe's own)
 
 
 def plan_source_or_fail(plan, plan_file) -> PlanSource:
@@ -119,6 +132,9 @@ def plan_source_or_fail(plan, plan_file) -> PlanSource:
         fail(f"{plan_file}: source.recipe and source.cluster must be names, got {recipe!r} and {name!r}")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
         fail(f"{plan_file}: source.seq must be a whole number >= 1, got {seq!r}")
+    dtype = source.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        fail(f"{plan_file}: source.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if "cluster_spec" in source:
         try:
             cluster = parse_cluster(source["cluster_spec"], f"{plan_file}: source.cluster_spec")
@@ -126,7 +142,7 @@ def plan_source_or_fail(plan, plan_file) -> PlanSource:
             fail(str(error))
     else:
         cluster = cluster_or_fail(name)
-    return PlanSource(recipe=recipe, seq=seq, cluster=cluster, cluster_name=name)
+    return PlanSource(recipe=recipe, seq=seq, cluster=cluster, cluster_name=name, dtype=dtype)
 
 
 def cluster_or_fail(name: str):

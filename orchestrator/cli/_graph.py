@@ -30,6 +30,9 @@ def graph_command(
         int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Batch size (default: the recipe's).")
     ] = None,
     seq_len: Annotated[int | None, typer.Option(min=1, help="Sequence length (default: the recipe's).")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="A recipe's compute dtype, float32 or bfloat16 (default: the recipe's).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     xla: Annotated[bool, typer.Option(help="Also compile the step and report XLA's own FLOP count.")] = True,
 ) -> None:
@@ -38,11 +41,11 @@ def graph_command(
     from orchestrator.coarsen import coarsen
 
     if user_model is not None:
-        own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "batch_size", "seq_len"))
+        own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "batch_size", "seq_len", "dtype"))
         name, train_step, state, batch = user_model, own.train_step, own.state, own.batch
         batch_size, seq_len = own.batch_size, None
     else:
-        spec = recipe_or_fail(recipe)
+        spec = recipe_or_fail(recipe, dtype)
         seq_len = seq_or_fail(spec, seq_len, "--seq-len")
         name, train_step, state = recipe, spec.train_step, spec.abstract_state()
         batch = spec.batch_spec(batch_size, seq_len)

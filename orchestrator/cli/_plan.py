@@ -40,10 +40,21 @@ def plan_command(
     seq: Annotated[
         int | None, typer.Option(min=1, max=MAX_SEQ, help="Sequence length (default: the recipe's).")
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="A recipe's compute dtype, float32 or bfloat16 (default: the recipe's); weights stay float32."
+        ),
+    ] = None,
     schedule: Annotated[str, typer.Option(help="1f1b or gpipe.")] = "1f1b",
     max_stages: Annotated[
-        int, typer.Option(min=1, max=MAX_STAGES, help="Largest number of pipeline stages to consider.")
-    ] = 4,
+        int | None,
+        typer.Option(
+            min=1,
+            max=MAX_STAGES,
+            help="Largest number of pipeline stages to consider (default: the layers, at most 16).",
+        ),
+    ] = None,
     time_limit_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="Solver time budget.")] = 60.0,
     zero: Annotated[
         bool, typer.Option(help="ZeRO-1: shard optimizer state over each stage's data-parallel replicas.")
@@ -59,10 +70,10 @@ def plan_command(
     from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
 
     if user_model is not None:
-        own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "seq"))
+        own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "seq", "dtype"))
         batch = batch if explicit(ctx, "batch") else own.batch_size
     else:
-        spec = recipe_or_fail(recipe)
+        spec = recipe_or_fail(recipe, dtype)
         seq_or_fail(spec, seq)
     if schedule not in ("1f1b", "gpipe"):
         fail(f"--schedule must be 1f1b or gpipe, got {schedule!r}")
@@ -84,8 +95,10 @@ def plan_command(
 
     # the cluster travels in the plan, so simulate, report and train --plan read it from any directory
     source = {"recipe": recipe, "cluster": cluster, "seq": seq, "cluster_spec": cluster_to_dict(spec_cluster)}
+    if dtype is not None:
+        source["dtype"] = dtype
     if user_model is not None:
-        source = {"model": user_model, **{k: v for k, v in source.items() if k not in ("recipe", "seq")}}
+        source = {"model": user_model, **{k: v for k, v in source.items() if k not in ("recipe", "seq", "dtype")}}
     result = dataclasses.replace(result, source=source)
     if output:
         result.save(output)

@@ -69,7 +69,7 @@ def _simulate(plan_file: str, recipe, cluster, seq, blocking_p2p: bool, no_sync_
     if recipe is None and cluster is None and plan.source.get("recipe") and plan.source.get("cluster"):
         # the plan names what it was made for; its cluster travels in the file, so any directory will do
         source = plan_source_or_fail(plan, plan_file)
-        model = _capture(recipe_or_fail(source.recipe), source.cluster, seq or source.seq)
+        model = _capture(recipe_or_fail(source.recipe, source.dtype), source.cluster, seq or source.seq)
     else:
         model = _model(recipe, cluster, seq)
     try:

@@ -149,3 +149,19 @@ def test_meaningless_plan_files_are_one_line(tmp_path, plan_json, edit, expected
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     one_line_error(["simulate", str(path)], expected)
+
+
+def test_a_dtype_no_recipe_computes_in_is_one_line():
+    one_line_error(["plan", "--recipe", "gpt-tiny", "--dtype", "float64"], "--dtype 'float64' is not one of")
+
+
+def test_a_plan_in_bfloat16_keeps_its_dtype_for_simulate(tmp_path):
+    """The plan records the dtype it was priced in; simulate rebuilds the same cost model from it."""
+    out = tmp_path / "plan.json"
+    args = ["plan", "--recipe", "gpt-tiny", "--cluster", "a100x8", "--batch", "8", "--dtype", "bfloat16"]
+    result = runner.invoke(app, [*args, "--out", str(out), "--time-limit-s", "20"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["source"]["dtype"] == "bfloat16"
+    simulated = runner.invoke(app, ["simulate", str(out), "--json"])
+    assert simulated.exit_code == 0, simulated.output

@@ -117,6 +117,19 @@ def _specs(t, s, d, groups, bq, bk):
     return q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk
 
 
+def _cost(b, h, t, s, d, causal, *, matmuls: int, arrays) -> pl.CostEstimate:
+    """What a kernel does, for those who price it (XLA's scheduler, Orchestrator's capture): ``matmuls``
+    (t, s, d)-sized products per (query, key) pair the mask keeps, one exponential each, and its
+    arrays read or written once. The kernel's inner loop over key blocks hides this from a count
+    of its body."""
+    pairs = b * h * (t * (t + 1) // 2 + t * (s - t) if causal and s >= t else t * s)
+    return pl.CostEstimate(
+        flops=2 * d * matmuls * pairs,
+        transcendentals=pairs,
+        bytes_accessed=sum(x.size * x.dtype.itemsize for x in arrays),
+    )
+
+
 def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform):
     b, h, t, d = q.shape
     s, groups = k.shape[2], h // k.shape[1]
@@ -129,6 +142,7 @@ def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32)],
         interpret=interpret,
         compiler_params=compiler_params(platform),
+        cost_estimate=_cost(b, h, t, s, d, causal, matmuls=2, arrays=(q, k, v, q)),
         name="conductor_flash_fwd",
     )(q, k, v)
 
@@ -147,6 +161,7 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform):
         out_shape=[jax.ShapeDtypeStruct((b, h, s, d), k.dtype), jax.ShapeDtypeStruct((b, h, s, d), v.dtype)],
         interpret=interpret,
         compiler_params=compiler_params(platform),
+        cost_estimate=_cost(b, h, t, s, d, causal, matmuls=4, arrays=(q, k, v, do, k, v)),
         name="conductor_flash_dkdv",
     )(q, k, v, do, lse, delta)
     dq = pl.pallas_call(
@@ -157,6 +172,7 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
         compiler_params=compiler_params(platform),
+        cost_estimate=_cost(b, h, t, s, d, causal, matmuls=3, arrays=(q, k, v, do, q)),
         name="conductor_flash_dq",
     )(q, k, v, do, lse, delta)
     dk = dk.reshape(b, hkv, groups, s, d).sum(2)

@@ -37,6 +37,7 @@ MODEL_KEYS = {
     "mlp",
     "norm",
     "position",
+    "attention",
 }
 CLUSTER_KEYS = {"gpu", "gpus", "gpus_per_node", "intra_node", "inter_node"}
 PARALLEL_KEYS = {
