@@ -62,6 +62,11 @@ class ParallelConfig:
     into full-size buffers and syncs those (as the pipeline executor does);
     otherwise the sync reads the backward pass's own gradients, and a table
     read at batch-independent rows syncs only those rows (``_gradients``).
+
+    ``sequence_parallel``: under TP, the work tensor parallelism leaves replicated on the batch
+    (LayerNorms, residual adds, dropout) splits over the TP ranks along the sequence, and each
+    all-reduce becomes a reduce-scatter and an all-gather of the same ring bytes (Korthikanti et
+    al., 2022).
     """
 
     tp: int = 1
@@ -71,6 +76,7 @@ class ParallelConfig:
     zero: bool = False
     dp_sync: DataParallelSync = "all_reduce"
     accumulate_gradients: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "microbatch_size"):
@@ -228,9 +234,10 @@ class CostModel:
             lambda: tensor_parallel_traits(self.graph, self.param_axes, self.axis_rules, tp),
         )
 
-    def _scale(self, name: str, tp: int, microbatch: int) -> float:
+    def _scale(self, name: str, tp: int, microbatch: int, sp: bool = False) -> float:
         traits = self.traits_for(tp)
-        s = 1.0 / tp if name in traits.split_ops or traits.roles[name] == "sharded" else 1.0
+        split = name in traits.split_ops or traits.roles[name] == "sharded"
+        s = 1.0 / tp if split or (sp and self._batch_dependent[name]) else 1.0
         if self._batch_dependent[name]:
             s *= microbatch / self.batch_size
         return s
@@ -262,19 +269,31 @@ class CostModel:
         return dict(times)
 
     def _modelled_time(
-        self, index: int, device_type: str, phase: str, tp: int, microbatch: int, *, weights_only: bool = False
+        self,
+        index: int,
+        device_type: str,
+        phase: str,
+        tp: int,
+        microbatch: int,
+        *,
+        weights_only: bool = False,
+        sp: bool = False,
     ) -> float:
         """Modelled seconds of a phase's ops; with ``weights_once``, the forward and backward leave out
-        the work on parameters alone, which ``weights_only=True`` returns instead."""
+        the work on parameters alone, which ``weights_only=True`` returns instead. ``sp``: sequence
+        parallelism splits the batch work tensor parallelism leaves whole."""
         total = 0.0
         for (ph, split, batch_dep), t in self._phase_times(self._representative(index), device_type, tp).items():
             on_weights = self.weights_once and not batch_dep and ph != "optimizer"
             if ph == phase and on_weights == weights_only:
-                total += t * (1 / tp if split else 1) * (microbatch / self.batch_size if batch_dep else 1)
+                divided = split or (sp and batch_dep)
+                total += t * (1 / tp if divided else 1) * (microbatch / self.batch_size if batch_dep else 1)
         return total
 
-    def _phase_time(self, index: int, device_type: str, phase: str, tp: int, microbatch: int) -> float:
-        modelled = self._modelled_time(index, device_type, phase, tp, microbatch)
+    def _phase_time(
+        self, index: int, device_type: str, phase: str, tp: int, microbatch: int, sp: bool = False
+    ) -> float:
+        modelled = self._modelled_time(index, device_type, phase, tp, microbatch, sp=sp)
         timing = self._measured_on(index, device_type)
         if timing is None:
             return modelled
@@ -351,21 +370,23 @@ class CostModel:
                 reads.update(op.param_reads)
         return tuple(sorted(p for p in reads if p in self.graph.params))
 
-    def _memory(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
-        return self._memory_of(self._representative(index), tp, microbatch)
+    def _memory(self, index: int, tp: int, microbatch: int, sp: bool = False) -> tuple[float, float]:
+        return self._memory_of(self._representative(index), tp, microbatch, sp)
 
-    def _memory_of(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
+    def _memory_of(self, index: int, tp: int, microbatch: int, sp: bool = False) -> tuple[float, float]:
         """(activation bytes kept per microbatch, transient bytes) from liveness."""
         return self._memo(
-            self._graph_memo, ("memory", index, tp, microbatch), lambda: self._compute_memory(index, tp, microbatch)
+            self._graph_memo,
+            ("memory", index, tp, microbatch, sp),
+            lambda: self._compute_memory(index, tp, microbatch, sp),
         )
 
-    def _compute_memory(self, index: int, tp: int, microbatch: int) -> tuple[float, float]:
+    def _compute_memory(self, index: int, tp: int, microbatch: int, sp: bool = False) -> tuple[float, float]:
         ops = [n for n in self.layers[index].ops if self.graph.op(n).phase != "optimizer"]
         result = liveness(
             self.graph,
             ops,
-            scale=lambda n: self._scale(n, tp, microbatch),
+            scale=lambda n: self._scale(n, tp, microbatch, sp),
             allreduced=self.traits_for(tp).allreduce_ops if tp > 1 else frozenset(),
             # XLA:CPU's YNNPACK rule; other compilers have no such threshold
             row_fusion_elements=YNN_MIN_ELEMENTS if self.cluster.shared_cores is not None else None,
@@ -391,8 +412,9 @@ class CostModel:
         tp_link = tp_link or self.default_link(device_type)
         dp_link = dp_link or self.default_link(device_type)
         m, t = config.microbatch_size, config.tp
-        forward = self._phase_time(index, device_type, "forward", t, m)
-        backward = self._phase_time(index, device_type, "backward", t, m)
+        sp = config.sequence_parallel and t > 1
+        forward = self._phase_time(index, device_type, "forward", t, m, sp)
+        backward = self._phase_time(index, device_type, "backward", t, m, sp)
         optimizer = self._phase_time(index, device_type, "optimizer", t, m)
         if config.zero:
             optimizer /= config.dp
@@ -421,7 +443,7 @@ class CostModel:
             dp_sync = coll.reduce_scatter_s(gradients, config.dp, dp_link) + coll.all_gather_s(
                 params, config.dp, dp_link
             )
-        kept, transient = self._memory(index, t, m)
+        kept, transient = self._memory(index, t, m, sp)
         layer = self.layers[index]
         if config.recompute:
             transient += kept

@@ -69,9 +69,17 @@ class SearchSpace:
 
 
 def search_space(
-    model: CostModel, global_batch: int, *, recompute: bool, zero: bool = False, mixed: bool = True
+    model: CostModel,
+    global_batch: int,
+    *,
+    recompute: bool,
+    zero: bool = False,
+    mixed: bool = True,
+    sequence_parallel: bool = False,
 ) -> SearchSpace:
-    """``mixed``: also offer groups that join hosts of two device types (``_groups``)."""
+    """``mixed``: also offer groups that join hosts of two device types (``_groups``);
+    ``sequence_parallel``: price every TP group with sequence parallelism (for pricing a given
+    configuration: the executors do not run it, so ``plan()`` never asks for it)."""
     infos = type_infos(model.cluster)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
@@ -82,7 +90,7 @@ def search_space(
     return SearchSpace(
         infos=infos,
         groups=groups,
-        table=CostTable(model, infos, global_batch, zero=zero, links=links),
+        table=CostTable(model, infos, global_batch, zero=zero, links=links, sequence_parallel=sequence_parallel),
         links=with_mixed_links(links, groups),
         runs=layer_runs(keys),
         layers=len(model.layers),

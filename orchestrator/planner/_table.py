@@ -50,9 +50,12 @@ class CostTable:
         *,
         zero: bool = False,
         links: dict[tuple[str, str], Link] | None = None,
+        sequence_parallel: bool = False,
     ):
-        """``links``: the slowest link between two types (``pair_links``), needed for mixed groups."""
+        """``links``: the slowest link between two types (``pair_links``), needed for mixed groups;
+        ``sequence_parallel``: every group with TP prices it (``ParallelConfig.sequence_parallel``)."""
         self.model, self.infos, self.global_batch, self.zero = model, infos, global_batch, zero
+        self.sequence_parallel = sequence_parallel
         self.links = links or {}
         self._entries: dict = {}
         self._shares: dict = {}
@@ -166,6 +169,7 @@ class CostTable:
             microbatch_size=samples,
             recompute=group.recompute,
             zero=self.zero and group.dp > 1,
+            sequence_parallel=self.sequence_parallel and group.tp > 1,
         )
         cost = self.model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link)
         tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)

@@ -535,3 +535,18 @@ def test_weights_once_moves_parameter_casts_from_every_microbatch_to_the_step():
     assert moved > 0 and every.breakdown["weights_once_s"] == 0.0
     assert once.forward_s + once.backward_s + moved == pytest.approx(every.forward_s + every.backward_s)
     assert once.optimizer_s == pytest.approx(every.optimizer_s + moved)
+
+
+def test_sequence_parallelism_splits_the_work_tensor_parallelism_leaves_whole():
+    """LayerNorms and residual adds run on 1/t of the sequence, their activations too; the
+    collectives carry the same ring bytes (a reduce-scatter and an all-gather per all-reduce)."""
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=8, param_axes=recipe.param_axes())
+    plain = model.layer_cost(1, "a100", ParallelConfig(tp=2, microbatch_size=8))
+    sp = model.layer_cost(1, "a100", ParallelConfig(tp=2, microbatch_size=8, sequence_parallel=True))
+    assert sp.forward_s < plain.forward_s and sp.backward_s < plain.backward_s
+    assert sp.activation_bytes < plain.activation_bytes
+    assert sp.tp_comm_s == plain.tp_comm_s and sp.param_bytes == plain.param_bytes
+    one = model.layer_cost(1, "a100", ParallelConfig(tp=1, microbatch_size=8, sequence_parallel=True))
+    assert one.forward_s == model.layer_cost(1, "a100", ParallelConfig(tp=1, microbatch_size=8)).forward_s

@@ -18,6 +18,7 @@ def fixed(
     microbatches: int,
     global_batch: int,
     zero: bool = False,
+    sequence_parallel: bool = False,
     schedule: str = "1f1b",
 ) -> BaselinePlan:
     """``stages`` (layer indices per pipeline stage), each on ``tp · dp`` devices of ``device_type``,
@@ -30,6 +31,13 @@ def fixed(
             f"global batch {global_batch} does not split into {microbatches} microbatches of a multiple of dp={dp}"
         )
     group = GroupConfig(device_type=device_type, size=tp * dp, tp=tp, recompute=recompute)
-    sweep = Sweep(model, global_batch=global_batch, schedule=schedule, zero=zero, mixed_stages=False)
+    sweep = Sweep(
+        model,
+        global_batch=global_batch,
+        schedule=schedule,
+        zero=zero,
+        sequence_parallel=sequence_parallel,
+        mixed_stages=False,
+    )
     groups = [group] * len(stages)
     return BaselinePlan("fixed", stages, groups, microbatches, sweep.evaluate(stages, groups, microbatches))

@@ -61,6 +61,7 @@ class Sweep:
       max_stages: the deepest pipeline (default: layers, at most 16, at most the devices).
       recompute: also offer groups that recompute their forward.
       zero: price data-parallel stages with ZeRO-1.
+      sequence_parallel: price tensor-parallel stages with sequence parallelism.
       mixed_stages: also offer groups on two device types (only where ``space`` is not given).
       space: the planner's search space, when the caller has built it.
       stage_counts: the stage counts to try (default: 1..``max_stages``).
@@ -77,13 +78,16 @@ class Sweep:
         max_stages: int | None = None,
         recompute: bool = True,
         zero: bool = False,
+        sequence_parallel: bool = False,
         mixed_stages: bool = True,
         space: SearchSpace | None = None,
         stage_counts=None,
         deadline: float | None = None,
     ):
         self.model, self.schedule, self.deadline = model, schedule, deadline
-        self.space = space or search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed_stages)
+        self.space = space or search_space(
+            model, global_batch, recompute=recompute, zero=zero, mixed=mixed_stages, sequence_parallel=sequence_parallel
+        )
         self.candidates = microbatch_counts(global_batch, microbatch_candidates)
         self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
         self.stage_counts = (
