@@ -155,10 +155,18 @@ def first_incumbent(
         one = single.best
         if best.keep(one._replace(score=best.score(one.evaluation, one.stages, one.groups))):
             log.debug("single stage start: %.6g ms at M=%d on %s", one.score * MS, one.microbatches, one.groups[0])
+    cold = best.current
     if given is not None and given[2] in candidates:
         best.offer(*given)
-    if best.current is not None:  # the local search around it
-        found = best.current
+    # the local search around the incumbent and, when a given plan displaced the cold start, around
+    # that start too (each in its share of the window): a given plan (a re-plan's repair) can sit in
+    # a region whose local optimum is worse than the cold start's
+    starts = [best.current] + ([cold] if cold is not None and best.current is not cold else [])
+    deadline = min(
+        started + options.polish_by * time_limit_s, time.perf_counter() + options.polish_share * time_limit_s
+    )
+    for k, found in enumerate(starts if best.current is not None else []):
+        share = time.perf_counter() + (deadline - time.perf_counter()) / (len(starts) - k)
         polished = polish(
             found.stages,
             found.groups,
@@ -168,11 +176,9 @@ def first_incumbent(
             candidates=candidates,
             max_stages=max_stages,
             score=best.score,
-            deadline=min(
-                started + options.polish_by * time_limit_s, time.perf_counter() + options.polish_share * time_limit_s
-            ),
+            deadline=share,
         )
-        if polished is not None and polished.score < found.score:
+        if polished is not None and polished.score < best.current.score:
             best.keep(polished)
             log.debug(
                 "polished start: %.6g ms at M=%d, %d stages",
