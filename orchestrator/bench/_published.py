@@ -184,15 +184,12 @@ def run_model(run: PublishedRun, efficiency=None):
 
 
 def published_stages(run: PublishedRun, n_layers: int) -> list[list[int]]:
-    """Megatron-LM's layout: the blocks split evenly over PP stages, the embedding (layer 0) with
-    the first and the head (the last layer) with the last."""
-    pp, blocks = run.parallel["pp"], n_layers - 2
-    base, extra = divmod(blocks, pp)
-    stages, start = [], 1
-    for s in range(pp):
-        count = base + (1 if s < extra else 0)
-        stages.append(list(range(start, start + count)))
-        start += count
+    """Megatron-LM's layout: the blocks split evenly over PP stages (the first ones one longer when
+    they do not divide), the embedding (layer 0) with the first and the head (the last layer) with
+    the last."""
+    import numpy as np
+
+    stages = [[int(i) for i in part] for part in np.array_split(np.arange(1, n_layers - 1), run.parallel["pp"])]
     stages[0].insert(0, 0)
     stages[-1].append(n_layers - 1)
     return stages

@@ -129,6 +129,8 @@ def _materialise(args, key):
 
 
 def _median_s(fn, args, repeats: int) -> float:
+    """Median seconds of ``fn(*args)`` after two warm-up calls (``orchestrator.timing`` does the same,
+    but this script must run where only JAX is installed)."""
     jax.block_until_ready(fn(*args))  # compile and warm up
     jax.block_until_ready(fn(*args))
     samples = []

@@ -12,20 +12,13 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.cli._common import MAX_GLOBAL_BATCH, recipe_or_fail, seq_or_fail, si
-from orchestrator.cli._user_model import user_model_or_fail
+from orchestrator.cli._user_model import UserModelOption, user_model_or_fail
 
 
 def graph_command(
     ctx: typer.Context,
     recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small, gpt-tiny, mamba-130m.")] = "gpt2-small",
-    user_model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            help="Your own step instead of a recipe: package.module:factory, a function returning "
-            "(train_step, state, batch).",
-        ),
-    ] = None,
+    user_model: UserModelOption = None,
     batch_size: Annotated[
         int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Batch size (default: the recipe's).")
     ] = None,

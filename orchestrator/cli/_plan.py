@@ -21,20 +21,13 @@ from orchestrator.cli._common import (
     recipe_or_fail,
     seq_or_fail,
 )
-from orchestrator.cli._user_model import explicit, user_cost_model, user_model_or_fail
+from orchestrator.cli._user_model import UserModelOption, explicit, user_cost_model, user_model_or_fail
 
 
 def plan_command(
     ctx: typer.Context,
     recipe: Annotated[str, typer.Option(help="Recipe name, e.g. gpt2-small.")] = "gpt2-small",
-    user_model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            help="Your own step instead of a recipe: package.module:factory, a function returning "
-            "(train_step, state, batch).",
-        ),
-    ] = None,
+    user_model: UserModelOption = None,
     cluster: Annotated[str, typer.Option(help="Cluster preset or YAML file.")] = "a100x8",
     batch: Annotated[int, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="Global batch (samples per step).")] = 64,
     seq: Annotated[

@@ -33,9 +33,21 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from orchestrator.cli._common import fail
+
+UserModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="Your own step instead of a recipe: package.module:factory, a function returning "
+        "(train_step, state, batch).",
+    ),
+]
+"""The ``--model`` option of every command that takes a user's step instead of a recipe."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
