@@ -1,4 +1,4 @@
-"""The README's code runs: the quick start on a user's own Flax model, and the function-DAG example."""
+"""The README's code runs: the quick start on a user's own Flax model, the function-DAG example and the cluster file."""
 
 import math
 import re
@@ -34,3 +34,15 @@ def test_readme_dag_example_runs_on_dask():
     assert isinstance(namespace["results"]["report"], float)
     records, execution = namespace["records"], namespace["execution"]
     assert all(records[t].worker == execution.worker_of(t) for t in records)
+
+
+def test_readme_cluster_file_is_a_valid_cluster():
+    """The README's field-by-field cluster file loads as written: every field it shows is accepted."""
+    import yaml
+
+    from orchestrator.cluster import parse_cluster
+
+    block = README[README.index("## Describing your cluster") :]
+    cluster = parse_cluster(yaml.safe_load(re.search(r"```yaml\n(.*?)```", block, re.S).group(1)))
+    assert cluster.counts_by_type() == {"a100": 15}  # 16 devices, one out of service
+    assert cluster.device_types["a100"].cache_bytes == 40 * 2**20
