@@ -12,13 +12,14 @@ run around every step.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
 
 from integrations.callbacks import Callback, CallbackList
 from integrations.flax._capture import capture
-from integrations.flax._shard import shard
+from integrations.flax._shard import device_map, shard
 from integrations.flax._step import compile_step
 
 
@@ -226,6 +227,13 @@ def orchestrate(
 
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
+    device_map(cluster)  # a cluster jax cannot run fails here, before the capture and the plan
+    if cluster.name == "local" and len(jax.devices()) == 1 and jax.devices()[0].platform == "cpu":
+        warnings.warn(
+            "planning for 1 local CPU device; for N virtual devices set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts",
+            stacklevel=2,
+        )
     if conductor:
         train_step = _conductor(train_step, conductor)
     state = _as_arrays(state)

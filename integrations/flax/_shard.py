@@ -50,9 +50,14 @@ def device_map(cluster=None) -> dict[str, jax.Device]:
         return {f"localhost/{i}": d for i, d in enumerate(devices)}
     refs = [d.ref for d in cluster.all_devices()]
     if len(refs) != len(devices):
+        how = (
+            f"; on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={len(refs)} before jax starts"
+            if devices[0].platform == "cpu"
+            else ""
+        )
         raise ValueError(
             f"cluster {cluster.name!r} has {len(refs)} devices but jax sees {len(devices)}; "
-            "plan for load_cluster('local') or start jax with as many devices"
+            f"plan for load_cluster('local') or start jax with as many devices{how}"
         )
     return dict(zip(refs, devices))
 

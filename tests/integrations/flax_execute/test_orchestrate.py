@@ -148,3 +148,32 @@ def test_a_plain_train_state_with_a_python_int_step_trains_as_on_one_device():
         reference, metrics = step(reference, batch)
         np.testing.assert_allclose(loss, float(metrics["loss"]), rtol=1e-5)
     assert int(run.state.step) == 2
+
+
+def test_a_cluster_jax_cannot_run_says_how_to_get_its_devices(gpt):
+    """16 devices planned, 8 here: one line before any capture or plan, saying how to get 16 on CPU."""
+    recipe, state, batches = gpt
+    with pytest.raises(ValueError, match="XLA_FLAGS=--xla_force_host_platform_device_count=16"):
+        orchestrate(state, recipe.train_step, "h100x16", batch=batches[0], param_axes=recipe.param_axes())
+
+
+def test_one_local_cpu_device_warns_how_to_get_more():
+    """Without XLA_FLAGS jax has one CPU device: planning for it says so, and how to get N (a fresh
+    process, since this one has 8; the warning is made an error so nothing after it runs)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "import jax, jax.numpy as jnp\n"
+        "from integrations.flax import orchestrate\n"
+        "try:\n"
+        "    orchestrate({'w': jnp.ones(2)}, lambda s, b: (s, {}), 'local', batch={'x': jnp.ones((2, 2))})\n"
+        "except UserWarning as w:\n"
+        "    print(w)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "planning for 1 local CPU device" in out.stdout, out.stderr[-2000:]
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in out.stdout
