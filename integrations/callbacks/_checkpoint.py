@@ -208,7 +208,8 @@ class Checkpointer(Callback):
         so it is never read or overwritten again), and the previous kept checkpoint is tried.
 
         Raises:
-          NotImplementedError: a checkpoint does not read back and the store cannot set it aside.
+          ValueError: a checkpoint does not read back and the store has no ``set_aside`` to move it out of
+            the way (the older ones are then not tried, so a bad checkpoint is never skipped silently).
         """
         self.wait()
         for step in reversed(self.steps()):
@@ -217,7 +218,10 @@ class Checkpointer(Callback):
                     return self.store.restore(step, target), step
             except (ValueError, OSError, KeyError) as error:  # json, tensorstore and file errors of bad bytes
                 if not hasattr(self.store, "set_aside"):
-                    raise NotImplementedError(f"checkpoint {step} does not read back: {error}") from error
+                    raise ValueError(
+                        f"checkpoint {step} does not read back ({error}), and {type(self.store).__name__} cannot "
+                        "set it aside: remove it or give the store a set_aside(step) method"
+                    ) from error
                 reason = " ".join(str(error).split())[:160]
                 self.store.set_aside(step)
                 older = [s for s in self.steps() if s < step]
