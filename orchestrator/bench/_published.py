@@ -214,6 +214,7 @@ def price(run: PublishedRun, model=None) -> dict:
         global_batch=run.global_batch,
         zero=bool(p.get("zero")),
         sequence_parallel=bool(p.get("sequence_parallel")),
+        selective_recompute=p["recompute"] == "selective",
     )
     ev = priced.evaluation
     return {"priced_s": ev.iteration_s, "fits": ev.feasible, "microbatches": M, "breakdown": dict(ev.breakdown)}

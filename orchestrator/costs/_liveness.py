@@ -154,6 +154,7 @@ def liveness(
     scale: Callable[[str], float] = lambda name: 1.0,
     allreduced: frozenset[str] = frozenset(),
     row_fusion_elements: float | None = None,
+    recomputed: frozenset[str] = frozenset(),
 ) -> Liveness:
     """Simulate buffer lifetimes over ``ops`` (default: all) in execution order.
 
@@ -203,7 +204,11 @@ def liveness(
             boundary = sum(
                 size(m)
                 for m in order[:i]
-                if materialized[m] and last_use[m] >= i and graph.op(m).phase == "forward" and readers[m]
+                if materialized[m]
+                and last_use[m] >= i
+                and graph.op(m).phase == "forward"
+                and readers[m]
+                and m not in recomputed
             )
         if materialized[n] and readers[n]:
             nbytes = size(n)

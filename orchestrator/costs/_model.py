@@ -6,6 +6,7 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
 
     time_phase(ℓ, d)  = Σ_{op ∈ ℓ, phase} t_d(op) · (1/t if op is split) · (m/B if op works on the batch)
     backward          += forward  when the layer recomputes its forward pass
+                      += forward of its core attention under selective recompute (``_recompute``)
     TP communication  = Σ_{all-reduced op ∈ ℓ} AR(bytes(op) · m/B, t)       (forward again under recompute)
     DP gradient sync  = AR(G, p)  or  RS(G, p) + AG(P, p)   with G = local gradient bytes, one per
                         contribution (a tied parameter read by two layers counts in both; a table read at
@@ -13,7 +14,8 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
     parameters        = Σ_params bytes · (1/t if TP-sharded);   gradients the same
     optimizer state   = parameters · (optimizer bytes / parameter bytes) · (1/p under ZeRO)
     activations       = bytes live at the forward→backward boundary, per in-flight microbatch
-                        (only the layer's input under recompute)
+                        (only the layer's input under recompute; without the core attention's
+                        values under selective recompute)
     transient         = peak of the layer's own forward+backward temporaries (its outputs apart) minus the above
                         (on CPU clusters, ``shared_cores`` set, with XLA:CPU's YNNPACK size rule, ``_liveness``)
 
@@ -41,6 +43,7 @@ from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, liveness, traffic_bytes
+from orchestrator.costs._recompute import AttentionCore, attention_core
 from orchestrator.costs._roofline import Efficiency, op_time_s
 from orchestrator.costs._sharding import (
     DEFAULT_LOGICAL_AXIS_RULES,
@@ -67,6 +70,10 @@ class ParallelConfig:
     (LayerNorms, residual adds, dropout) splits over the TP ranks along the sequence, and each
     all-reduce becomes a reduce-scatter and an all-gather of the same ring bytes (Korthikanti et
     al., 2022).
+
+    ``selective_recompute``: the backward pass rebuilds the layer's core attention (scores, mask,
+    softmax, product with V; ``_recompute``) instead of keeping it (Korthikanti et al., 2022, §4);
+    ``recompute`` (the whole forward) takes precedence.
     """
 
     tp: int = 1
@@ -77,6 +84,7 @@ class ParallelConfig:
     dp_sync: DataParallelSync = "all_reduce"
     accumulate_gradients: bool = False
     sequence_parallel: bool = False
+    selective_recompute: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "microbatch_size"):
@@ -370,18 +378,53 @@ class CostModel:
                 reads.update(op.param_reads)
         return tuple(sorted(p for p in reads if p in self.graph.params))
 
-    def _memory(self, index: int, tp: int, microbatch: int, sp: bool = False) -> tuple[float, float]:
-        return self._memory_of(self._representative(index), tp, microbatch, sp)
+    def _memory(
+        self, index: int, tp: int, microbatch: int, sp: bool = False, selective: bool = False
+    ) -> tuple[float, float]:
+        return self._memory_of(self._representative(index), tp, microbatch, sp, selective)
 
-    def _memory_of(self, index: int, tp: int, microbatch: int, sp: bool = False) -> tuple[float, float]:
+    def _memory_of(
+        self, index: int, tp: int, microbatch: int, sp: bool = False, selective: bool = False
+    ) -> tuple[float, float]:
         """(activation bytes kept per microbatch, transient bytes) from liveness."""
         return self._memo(
             self._graph_memo,
-            ("memory", index, tp, microbatch, sp),
-            lambda: self._compute_memory(index, tp, microbatch, sp),
+            ("memory", index, tp, microbatch, sp, selective),
+            lambda: self._compute_memory(index, tp, microbatch, sp, selective),
         )
 
-    def _compute_memory(self, index: int, tp: int, microbatch: int, sp: bool = False) -> tuple[float, float]:
+    def attention_core(self, index: int) -> AttentionCore:
+        """The ops of layer ``index`` that selective recompute rebuilds (``_recompute``)."""
+        index = self._representative(index)
+        return self._memo(
+            self._graph_memo,
+            ("core", index),
+            lambda: attention_core(self.graph, self.layers[index].ops, lambda n: self._batch_dependent[n]),
+        )
+
+    def _core_time(self, index: int, device_type: str, tp: int, microbatch: int) -> float:
+        """Seconds of layer ``index``'s core attention forward, modelled; a measured layer's scaled by
+        its measured-to-modelled forward ratio."""
+        core = self.attention_core(index).ops
+        if not core:
+            return 0.0
+        index = self._representative(index)
+        device, eff = self.cluster.device_types[device_type], self.efficiency_of(device_type)
+        split_ops = self.traits_for(tp).split_ops
+        modelled = sum(
+            op_time_s(self.graph.op(n), device, eff, self.traffic[n])
+            * (1 / tp if n in split_ops else 1)
+            * (microbatch / self.batch_size if self._batch_work[n] else 1)
+            for n in core
+        )
+        forward = self._modelled_time(index, device_type, "forward", tp, microbatch)
+        if self._measured_on(index, device_type) is None or forward <= 0:
+            return modelled
+        return modelled * self._phase_time(index, device_type, "forward", tp, microbatch) / forward
+
+    def _compute_memory(
+        self, index: int, tp: int, microbatch: int, sp: bool = False, selective: bool = False
+    ) -> tuple[float, float]:
         ops = [n for n in self.layers[index].ops if self.graph.op(n).phase != "optimizer"]
         result = liveness(
             self.graph,
@@ -390,6 +433,7 @@ class CostModel:
             allreduced=self.traits_for(tp).allreduce_ops if tp > 1 else frozenset(),
             # XLA:CPU's YNNPACK rule; other compilers have no such threshold
             row_fusion_elements=YNN_MIN_ELEMENTS if self.cluster.shared_cores is not None else None,
+            recomputed=self.attention_core(index).dropped if selective else frozenset(),
         )
         kept = result.boundary_bytes
         return kept, max(0.0, result.peak_bytes - kept)
@@ -425,9 +469,12 @@ class CostModel:
         )
         optimizer += weights
         fixed = self._fixed_time(index, device_type, "forward") + self._fixed_time(index, device_type, "backward")
+        selective = config.selective_recompute and not config.recompute
         if config.recompute:
             backward += forward
             fixed += self._fixed_time(index, device_type, "forward")
+        elif selective:
+            backward += self._core_time(index, device_type, t, m)
         ar = self.tp_allreduce_bytes(index, m, t) if t > 1 else {}
         tp_fwd, tp_bwd = ar.get("forward", 0.0), ar.get("backward", 0.0)
         if config.recompute:
@@ -443,7 +490,7 @@ class CostModel:
             dp_sync = coll.reduce_scatter_s(gradients, config.dp, dp_link) + coll.all_gather_s(
                 params, config.dp, dp_link
             )
-        kept, transient = self._memory(index, t, m, sp)
+        kept, transient = self._memory(index, t, m, sp, selective)
         layer = self.layers[index]
         if config.recompute:
             transient += kept

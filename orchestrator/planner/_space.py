@@ -76,10 +76,12 @@ def search_space(
     zero: bool = False,
     mixed: bool = True,
     sequence_parallel: bool = False,
+    selective_recompute: bool = False,
 ) -> SearchSpace:
     """``mixed``: also offer groups that join hosts of two device types (``_groups``);
     ``sequence_parallel``: price every TP group with sequence parallelism (for pricing a given
-    configuration: the executors do not run it, so ``plan()`` never asks for it)."""
+    configuration: the executors do not run it, so ``plan()`` never asks for it); likewise
+    ``selective_recompute``."""
     infos = type_infos(model.cluster)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
@@ -90,7 +92,15 @@ def search_space(
     return SearchSpace(
         infos=infos,
         groups=groups,
-        table=CostTable(model, infos, global_batch, zero=zero, links=links, sequence_parallel=sequence_parallel),
+        table=CostTable(
+            model,
+            infos,
+            global_batch,
+            zero=zero,
+            links=links,
+            sequence_parallel=sequence_parallel,
+            selective_recompute=selective_recompute,
+        ),
         links=with_mixed_links(links, groups),
         runs=layer_runs(keys),
         layers=len(model.layers),

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from orchestrator.cluster import Link
 from orchestrator.costs import CostModel, ParallelConfig, all_reduce_s, p2p_s
+from orchestrator.planner._deadline import Deadline
 from orchestrator.planner._groups import GroupConfig, TypeInfo, group_links, slowest
 
 
@@ -40,6 +43,9 @@ class CostTable:
     sum (an over-estimate where the parts would run apart; exact when one part is the slower in
     every layer). Gradient sync spans all its replicas over the slowest link between its types;
     memory is each part's own, on its own type.
+
+    Within :meth:`bounded`, every entry it has to compute first checks the deadline: filling the
+    table is the one part of a search no solver's time limit stops.
     """
 
     def __init__(
@@ -51,20 +57,33 @@ class CostTable:
         zero: bool = False,
         links: dict[tuple[str, str], Link] | None = None,
         sequence_parallel: bool = False,
+        selective_recompute: bool = False,
     ):
         """``links``: the slowest link between two types (``pair_links``), needed for mixed groups;
-        ``sequence_parallel``: every group with TP prices it (``ParallelConfig.sequence_parallel``)."""
+        ``sequence_parallel``: every group with TP prices it (``ParallelConfig.sequence_parallel``);
+        ``selective_recompute``: every group prices it (``ParallelConfig.selective_recompute``)."""
         self.model, self.infos, self.global_batch, self.zero = model, infos, global_batch, zero
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
         self.links = links or {}
         self._entries: dict = {}
         self._shares: dict = {}
+        self.deadline: Deadline | None = None
         # identical layers (same signature and output size) share every entry
         first: dict = {}
         self._representative = [
             first.setdefault((layer.signature, layer.activation_bytes), index)
             for index, layer in enumerate(model.layers)
         ]
+
+    @contextlib.contextmanager
+    def bounded(self, deadline: Deadline | None) -> Iterator[None]:
+        """Within the block, computing an entry past ``deadline`` raises ``DeadlineExceeded``
+        (entries already computed are still read)."""
+        outer, self.deadline = self.deadline, deadline
+        try:
+            yield
+        finally:
+            self.deadline = outer
 
     def microbatch(self, group: GroupConfig, microbatches: int) -> int | None:
         """Samples per replica per microbatch (a mixed group's first part's), or None if the
@@ -157,6 +176,8 @@ class CostTable:
         key = ("part", self._representative[layer], group, kind, samples)
         if key in self._entries:
             return self._entries[key]
+        if self.deadline is not None:
+            self.deadline.check()
         info = self.infos[kind]
         if group.mixed:  # tensor parallelism within a host; the replicas span both types
             tp_link = info.intra_link
@@ -170,6 +191,7 @@ class CostTable:
             recompute=group.recompute,
             zero=self.zero and group.dp > 1,
             sequence_parallel=self.sequence_parallel and group.tp > 1,
+            selective_recompute=self.selective_recompute,
         )
         cost = self.model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link)
         tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)
@@ -189,6 +211,8 @@ class CostTable:
         layer = self._representative[layer]
         key = ("state", layer, device_type)
         if key not in self._entries:
+            if self.deadline is not None:
+                self.deadline.check()
             group = GroupConfig(device_type=device_type, size=1, tp=1, recompute=False)
             tp_link, dp_link = group_links(group, self.infos[device_type])
             config = ParallelConfig(tp=1, dp=1, microbatch_size=1, recompute=False)

@@ -29,7 +29,7 @@ from orchestrator.costs import (
     tensor_parallel_axes,
 )
 from orchestrator.costs._liveness import materialized_ops, traffic_bytes
-from orchestrator.graph import Op, OpGraph, TensorSpec
+from orchestrator.graph import Op, OpGraph, TensorSpec, dtype_itemsize
 from recipes import get_recipe
 from recipes.gpt import Block, GPTConfig
 
@@ -550,3 +550,40 @@ def test_sequence_parallelism_splits_the_work_tensor_parallelism_leaves_whole():
     assert sp.tp_comm_s == plain.tp_comm_s and sp.param_bytes == plain.param_bytes
     one = model.layer_cost(1, "a100", ParallelConfig(tp=1, microbatch_size=8, sequence_parallel=True))
     assert one.forward_s == model.layer_cost(1, "a100", ParallelConfig(tp=1, microbatch_size=8)).forward_s
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_selective_recompute_rebuilds_the_core_attention_only(dtype):
+    """The core is Q·Kᵀ through P·V in each block and nothing else: no projection, no embedding or
+    head. Selective recompute adds that core's forward to the backward and keeps the block's other
+    activations: it sits between no recompute and full recompute in both."""
+    config = dataclasses.replace(get_recipe("gpt-tiny").config, dtype=dtype)
+    recipe = dataclasses.replace(get_recipe("gpt-tiny"), config=config)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=8, param_axes=recipe.param_axes())
+    B, s, heads = recipe.batch_size, recipe.seq_len, config.num_heads
+    for index, layer in enumerate(model.layers):
+        core = model.attention_core(index)
+        blocks = "blocks_" in layer.name
+        assert bool(core.ops) == blocks, layer.name
+        if not blocks:
+            continue
+        matmuls = sorted(n for n in core.ops if graph.op(n).kind == "matmul")
+        assert len(matmuls) == 2 and not any(graph.op(n).param_reads for n in matmuls)
+        (kept,) = core.ops - core.dropped
+        assert kept in matmuls
+        scores = [n for n in core.dropped if graph.op(n).outputs[0].shape == (B, heads, s, s)]
+        assert scores, "the (batch, heads, seq, seq) scores are dropped"
+    plain, selective, full = (
+        model.layer_cost(1, "a100", ParallelConfig(tp=2, microbatch_size=8, **option))
+        for option in ({}, {"selective_recompute": True}, {"recompute": True})
+    )
+    assert plain.forward_s == selective.forward_s == full.forward_s
+    assert plain.backward_s < selective.backward_s < full.backward_s
+    assert full.activation_bytes < selective.activation_bytes < plain.activation_bytes
+    scores_bytes = B * (heads // 2) * s * s * dtype_itemsize(dtype)  # one device's heads under TP 2
+    assert plain.activation_bytes - selective.activation_bytes >= scores_bytes
+    both = model.layer_cost(
+        1, "a100", ParallelConfig(tp=2, microbatch_size=8, recompute=True, selective_recompute=True)
+    )
+    assert both == full

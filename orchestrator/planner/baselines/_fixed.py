@@ -19,6 +19,7 @@ def fixed(
     global_batch: int,
     zero: bool = False,
     sequence_parallel: bool = False,
+    selective_recompute: bool = False,
     schedule: str = "1f1b",
 ) -> BaselinePlan:
     """``stages`` (layer indices per pipeline stage), each on ``tp · dp`` devices of ``device_type``,
@@ -37,6 +38,7 @@ def fixed(
         schedule=schedule,
         zero=zero,
         sequence_parallel=sequence_parallel,
+        selective_recompute=selective_recompute,
         mixed_stages=False,
     )
     groups = [group] * len(stages)

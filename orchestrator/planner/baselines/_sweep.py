@@ -62,6 +62,7 @@ class Sweep:
       recompute: also offer groups that recompute their forward.
       zero: price data-parallel stages with ZeRO-1.
       sequence_parallel: price tensor-parallel stages with sequence parallelism.
+      selective_recompute: price every stage with selective (core attention) recompute.
       mixed_stages: also offer groups on two device types (only where ``space`` is not given).
       space: the planner's search space, when the caller has built it.
       stage_counts: the stage counts to try (default: 1..``max_stages``).
@@ -79,6 +80,7 @@ class Sweep:
         recompute: bool = True,
         zero: bool = False,
         sequence_parallel: bool = False,
+        selective_recompute: bool = False,
         mixed_stages: bool = True,
         space: SearchSpace | None = None,
         stage_counts=None,
@@ -86,7 +88,13 @@ class Sweep:
     ):
         self.model, self.schedule, self.deadline = model, schedule, deadline
         self.space = space or search_space(
-            model, global_batch, recompute=recompute, zero=zero, mixed=mixed_stages, sequence_parallel=sequence_parallel
+            model,
+            global_batch,
+            recompute=recompute,
+            zero=zero,
+            mixed=mixed_stages,
+            sequence_parallel=sequence_parallel,
+            selective_recompute=selective_recompute,
         )
         self.candidates = microbatch_counts(global_batch, microbatch_candidates)
         self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
