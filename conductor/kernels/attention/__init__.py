@@ -6,6 +6,8 @@ Example:
     >>> q = k = v = jnp.ones((1, 256, 2, 64))
     >>> attention(q, k, v, causal=True, implementation="xla_chunked").shape
     (1, 256, 2, 64)
+    >>> attention(q, k, v, causal=True, window=64, implementation="xla_chunked").shape  # sliding window
+    (1, 256, 2, 64)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conductor.kernels._common import Implementation, check_implementation, interpret_default
+from conductor.kernels.attention._mask import band
 from conductor.kernels.attention._pallas import attention_pallas
 from conductor.kernels.attention._reference import attention_reference
 from conductor.kernels.attention._xla import attention_xla_chunked
@@ -37,13 +40,23 @@ def attention(
     implementation: Implementation = "pallas",
     interpret: bool | None = None,
     platform: str | None = None,
+    window: int | tuple[int, int] | None = None,
+    prefix: int = 0,
 ):
-    """softmax(scale · Q Kᵀ [+ causal mask]) V without materialising the scores.
+    """softmax(scale · Q Kᵀ [+ causal, window, prefix mask]) V without materialising the scores.
+
+    Query i keeps key j iff j is in its band (``causal``: j ≤ i; ``window``) or j < ``prefix``.
+    Key blocks the mask removes whole are skipped, forward and backward.
 
     Args:
       q: (batch, seq_q, heads, head_dim).
       k, v: (batch, seq_k, kv_heads, head_dim); ``heads`` must divide by ``kv_heads`` (GQA/MQA).
-      causal: mask key j > query i (needs seq_q == seq_k).
+      causal: mask key j > query i (needs seq_q == seq_k, as do ``window`` and ``prefix``).
+      window: sliding window. An int w keeps the w most recent keys (i − w < j ≤ i) when
+        ``causal``, the band |i − j| < w otherwise; a pair (left, right) of ints ≥ 0 keeps
+        i − left ≤ j ≤ i + right (``causal`` caps right at 0).
+      prefix: keys j < prefix are kept for every query (prefix-LM with ``causal``: bidirectional
+        over the prefix, causal after it).
       scale: score multiplier; default 1/√head_dim.
       block_sizes: block lengths; each must divide its sequence length.
       implementation: ``"pallas"``, ``"xla_chunked"`` or ``"reference"``.
@@ -53,7 +66,8 @@ def attention(
     Returns:
       (batch, seq_q, heads, head_dim), differentiable (custom VJP keeping only the log-sum-exp).
     Raises:
-      ValueError: bad head counts, a block that does not divide its sequence, or an unknown implementation.
+      ValueError: bad head counts, a block that does not divide its sequence, an unknown
+        implementation, or a bad window or prefix.
     """
     implementation = check_implementation(implementation)
     if q.ndim != 4 or k.shape != v.shape[:-1] + k.shape[-1:] or k.ndim != 4:
@@ -62,14 +76,16 @@ def attention(
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal attention needs seq_q == seq_k; got {q.shape[1]} and {k.shape[1]}")
+    band(causal=causal, window=window, prefix=prefix, seq_q=q.shape[1], seq_k=k.shape[1])  # checks them
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    masks = dict(causal=causal, window=window, prefix=prefix)
     if implementation == "reference":
-        return attention_reference(q, k, v, causal=causal, scale=scale)
+        return attention_reference(q, k, v, scale=scale, **masks)
     sizes = block_sizes or AttentionBlockSizes()
     bq, bk = min(sizes.block_q, q.shape[1]), min(sizes.block_k, k.shape[1])
     if q.shape[1] % bq or k.shape[1] % bk:
         raise ValueError(f"block sizes ({bq}, {bk}) must divide the sequence lengths ({q.shape[1]}, {k.shape[1]})")
-    blocked = dict(causal=causal, scale=scale, block_q=bq, block_k=bk)
+    blocked = dict(scale=scale, block_q=bq, block_k=bk, **masks)
     if implementation == "xla_chunked":
         return attention_xla_chunked(q, k, v, **blocked)
     return attention_pallas(q, k, v, **blocked, interpret=interpret_default(interpret), platform=platform)

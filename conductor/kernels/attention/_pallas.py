@@ -8,6 +8,8 @@ block) for dK/dV; K/V blocks of query head h come from kv head h // G (GQA).
 Each program keeps one (block_q, block_k) score tile; the only residual of
 the forward besides its inputs and output is the log-sum-exp L (B, H, T).
 dK/dV are produced per query head and summed over each group of G heads.
+Each program's loop visits only the blocks its mask meets (``_mask.Band``):
+a causal, sliding-window or prefix mask skips the others instead of masking them.
 """
 
 from __future__ import annotations
@@ -20,33 +22,32 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from conductor.kernels._common import compiler_params
+from conductor.kernels.attention._mask import Band, as_band, band
 
 _MASK = -1e30
 
 
-def _tile_scores(q, k, i, j, bq, bk, scale, causal):
+def _tile_scores(q, k, i, j, bq, bk, scale, mask: Band):
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-    if causal:
+    if mask.masked:
         rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
         cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-        s = lax.select(rows >= cols, s, jnp.full_like(s, _MASK))  # lax.select: no jit inside the kernel
+        s = lax.select(mask.keep(rows, cols), s, jnp.full_like(s, _MASK))  # lax.select: no jit inside the kernel
     return s
 
 
-def _k_upper(i, bq, bk, nk, causal):
-    return jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), nk) if causal else nk
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk):
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, mask, bq, bk):
     i = pl.program_id(2)
     nk = k_ref.shape[0] // bk
     q = q_ref[...].astype(jnp.float32)  # (bq, D)
+    n, block = mask.key_blocks(i, bq, bk, nk)
 
-    def body(j, carry):
+    def body(step, carry):
         o, m, norm = carry
+        j = block(step)
         k = k_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
         v = v_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
-        s = _tile_scores(q, k, i, j, bq, bk, scale, causal)
+        s = _tile_scores(q, k, i, j, bq, bk, scale, mask)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.exp(s - m_new[:, None])
         corr = jnp.exp(m - m_new)
@@ -58,12 +59,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, b
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    o, m, norm = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, init)
+    o, m, norm = lax.fori_loop(0, n, body, init)
     o_ref[...] = (o / norm[:, None]).astype(o_ref.dtype)
     lse_ref[...] = (m + jnp.log(norm))[None]
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, bk):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, mask, bq, bk):
     j = pl.program_id(2)
     nq = q_ref.shape[0] // bq
     k = k_ref[...].astype(jnp.float32)  # (bk, D)
@@ -73,35 +74,37 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         dk, dv = carry
         q = q_ref[pl.ds(i * bq, bq), :].astype(jnp.float32)
         do = do_ref[pl.ds(i * bq, bq), :].astype(jnp.float32)
-        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, causal) - lse_ref[0, pl.ds(i * bq, bq)][:, None])
+        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, mask) - lse_ref[0, pl.ds(i * bq, bq)][:, None])
         dv = dv + lax.dot_general(p, do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ds = p * (dp - delta_ref[0, pl.ds(i * bq, bq)][:, None])
         dk = dk + scale * lax.dot_general(ds, q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return dk, dv
 
-    lower = lax.div(j * bk, bq) if causal else 0
-    dk, dv = lax.fori_loop(lower, nq, body, (jnp.zeros_like(k), jnp.zeros_like(v)))
+    lower, upper = mask.query_blocks(j, bq, bk, nq)
+    dk, dv = lax.fori_loop(lower, upper, body, (jnp.zeros_like(k), jnp.zeros_like(v)))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, mask, bq, bk):
     i = pl.program_id(2)
     nk = k_ref.shape[0] // bk
     q = q_ref[...].astype(jnp.float32)
     do = do_ref[...].astype(jnp.float32)
     lse, delta = lse_ref[0], delta_ref[0]
+    n, block = mask.key_blocks(i, bq, bk, nk)
 
-    def body(j, dq):
+    def body(step, dq):
+        j = block(step)
         k = k_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
         v = v_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
-        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, causal) - lse[:, None])
+        p = jnp.exp(_tile_scores(q, k, i, j, bq, bk, scale, mask) - lse[:, None])
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         return dq + scale * jnp.dot(ds, k, preferred_element_type=jnp.float32)
 
-    dq = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, jnp.zeros_like(q))
+    dq = lax.fori_loop(0, n, body, jnp.zeros_like(q))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -117,12 +120,12 @@ def _specs(t, s, d, groups, bq, bk):
     return q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk
 
 
-def _cost(b, h, t, s, d, causal, *, matmuls: int, arrays) -> pl.CostEstimate:
+def _cost(b, h, t, s, d, mask: Band, *, matmuls: int, arrays) -> pl.CostEstimate:
     """What a kernel does, for those who price it (XLA's scheduler, Orchestrator's capture): ``matmuls``
     (t, s, d)-sized products per (query, key) pair the mask keeps, one exponential each, and its
     arrays read or written once. The kernel's inner loop over key blocks hides this from a count
     of its body."""
-    pairs = b * h * (t * (t + 1) // 2 + t * (s - t) if causal and s >= t else t * s)
+    pairs = b * h * mask.kept_pairs(t, s)
     return pl.CostEstimate(
         flops=2 * d * matmuls * pairs,
         transcendentals=pairs,
@@ -130,49 +133,51 @@ def _cost(b, h, t, s, d, causal, *, matmuls: int, arrays) -> pl.CostEstimate:
     )
 
 
-def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform):
+def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform, mask: Band | None = None):
+    mask = as_band(causal, mask)
     b, h, t, d = q.shape
     s, groups = k.shape[2], h // k.shape[1]
     q_blk, _, _, k_all, row_blk, _, _ = _specs(t, s, d, groups, bq, bk)
     return pl.pallas_call(
-        partial(_forward_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+        partial(_forward_kernel, scale=scale, mask=mask, bq=bq, bk=bk),
         grid=(b, h, t // bq),
         in_specs=[q_blk, k_all, k_all],
         out_specs=[q_blk, row_blk],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32)],
         interpret=interpret,
         compiler_params=compiler_params(platform),
-        cost_estimate=_cost(b, h, t, s, d, causal, matmuls=2, arrays=(q, k, v, q)),
+        cost_estimate=_cost(b, h, t, s, d, mask, matmuls=2, arrays=(q, k, v, q)),
         name="conductor_flash_fwd",
     )(q, k, v)
 
 
-def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform):
+def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform, mask: Band | None = None):
+    mask = as_band(causal, mask)
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     groups = h // hkv
     q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk = _specs(t, s, d, groups, bq, bk)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)[:, :, None]  # (B, H, 1, T)
     dk, dv = pl.pallas_call(
-        partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+        partial(_dkdv_kernel, scale=scale, mask=mask, bq=bq, bk=bk),
         grid=(b, h, s // bk),
         in_specs=[q_all, k_blk, k_blk, q_all, row_all, row_all],
         out_specs=[kq_blk, kq_blk],
         out_shape=[jax.ShapeDtypeStruct((b, h, s, d), k.dtype), jax.ShapeDtypeStruct((b, h, s, d), v.dtype)],
         interpret=interpret,
         compiler_params=compiler_params(platform),
-        cost_estimate=_cost(b, h, t, s, d, causal, matmuls=4, arrays=(q, k, v, do, k, v)),
+        cost_estimate=_cost(b, h, t, s, d, mask, matmuls=4, arrays=(q, k, v, do, k, v)),
         name="conductor_flash_dkdv",
     )(q, k, v, do, lse, delta)
     dq = pl.pallas_call(
-        partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+        partial(_dq_kernel, scale=scale, mask=mask, bq=bq, bk=bk),
         grid=(b, h, t // bq),
         in_specs=[q_blk, k_all, k_all, q_blk, row_blk, row_blk],
         out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
         compiler_params=compiler_params(platform),
-        cost_estimate=_cost(b, h, t, s, d, causal, matmuls=3, arrays=(q, k, v, do, q)),
+        cost_estimate=_cost(b, h, t, s, d, mask, matmuls=3, arrays=(q, k, v, do, q)),
         name="conductor_flash_dq",
     )(q, k, v, do, lse, delta)
     dk = dk.reshape(b, hkv, groups, s, d).sum(2)
@@ -181,32 +186,48 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _flash(q, k, v, causal, scale, bq, bk, interpret, platform):
-    return _fwd(q, k, v, causal, scale, bq, bk, interpret, platform)[0]
+def _flash(q, k, v, mask, scale, bq, bk, interpret, platform):
+    return _fwd(q, k, v, mask, scale, bq, bk, interpret, platform)[0]
 
 
-def _flash_fwd(q, k, v, causal, scale, bq, bk, interpret, platform):
-    o, lse = _fwd(q, k, v, causal, scale, bq, bk, interpret, platform)
+def _flash_fwd(q, k, v, mask, scale, bq, bk, interpret, platform):
+    o, lse = _fwd(q, k, v, mask, scale, bq, bk, interpret, platform)
     return o, (q, k, v, o, lse)
 
 
-def _flash_bwd(causal, scale, bq, bk, interpret, platform, residuals, do):
+def _flash_bwd(mask, scale, bq, bk, interpret, platform, residuals, do):
     q, k, v, o, lse = residuals
-    return _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform)
+    return _bwd(q, k, v, o, lse, do, mask, scale, bq, bk, interpret, platform)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def attention_pallas(
-    q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool, platform: str | None = None
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    scale: float,
+    block_q: int,
+    block_k: int,
+    interpret: bool,
+    platform: str | None = None,
+    window=None,
+    prefix: int = 0,
 ):
-    """Pallas flash attention on (batch, seq, heads, head_dim) arrays; K/V may have fewer heads (GQA)."""
+    """Pallas flash attention on (batch, seq, heads, head_dim) arrays; K/V may have fewer heads (GQA).
+
+    ``window`` and ``prefix`` as in :func:`conductor.kernels.attention`: key blocks outside the band
+    are skipped, not masked.
+    """
+    mask = band(causal=causal, window=window, prefix=prefix, seq_q=q.shape[1], seq_k=k.shape[1])
     o = _flash(
         q.transpose(0, 2, 1, 3),
         k.transpose(0, 2, 1, 3),
         v.transpose(0, 2, 1, 3),
-        causal,
+        mask,
         scale,
         block_q,
         block_k,

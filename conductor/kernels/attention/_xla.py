@@ -12,8 +12,9 @@ Backward recomputes p = e^{s − L} block by block from (Q, K, V, O, L):
     dK_j = scale Σ_i dSᵀ q_i,  dQ_i = scale Σ_j dS k_j.
 
 The residuals are Q, K, V, O and L: nothing of size T² is ever live. Loops are
-``lax.map`` over blocks (one block live at a time) and ``fori_loop``s whose
-causal trip counts skip the blocks above the diagonal.
+``lax.map`` over blocks (one block live at a time) and ``fori_loop``s over only
+the blocks the mask meets (``_mask.Band``): above the diagonal when causal,
+outside the band of a sliding window, and never twice for a prefix.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from conductor.kernels.attention._mask import Band, as_band, band
 
 _MASK = -1e30  # finite, so a fully masked row never produces NaN via (−∞) − (−∞)
 
@@ -38,32 +41,32 @@ def _unblock(x):
     return x.transpose(1, 2, 3, 0, 4, 5).reshape(b, h, g, n * block, d)
 
 
-def _scores(q_blk, k_blk, i, j, bq, bk, scale, causal):
+def _scores(q_blk, k_blk, i, j, bq, bk, scale, mask: Band):
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
-    if causal:
+    if mask.masked:
         rows = i * bq + jnp.arange(bq)[:, None]
         cols = j * bk + jnp.arange(bk)[None, :]
-        s = jnp.where(rows >= cols, s, _MASK)
+        s = jnp.where(mask.keep(rows, cols), s, _MASK)
     return s
 
 
-def _k_upper(i, bq, bk, nk, causal):
-    return jnp.minimum(((i + 1) * bq + bk - 1) // bk, nk) if causal else nk
-
-
-def _forward(q, k, v, causal, scale, bq, bk):
+def _forward(q, k, v, causal, scale, bq, bk, mask: Band | None = None):
     # q: (B, Hkv, G, T, D); k, v: (B, Hkv, S, D)
     nk = k.shape[2] // bk
+    mask = as_band(causal, mask)
 
     def one_q_block(args):
         i, q_blk = args  # (B, Hkv, G, bq, D)
         shape = q_blk.shape[:-1]
 
-        def body(j, carry):
+        n, block = mask.key_blocks(i, bq, bk, nk)
+
+        def body(step, carry):
             o, m, norm = carry
+            j = block(step)
             k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
             v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, causal)
+            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, mask)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             corr = jnp.exp(m - m_new)
@@ -71,7 +74,7 @@ def _forward(q, k, v, causal, scale, bq, bk):
             return o, m_new, corr * norm + p.sum(-1)
 
         init = (jnp.zeros((*shape, v.shape[-1]), jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape))
-        o, m, norm = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, init)
+        o, m, norm = lax.fori_loop(0, n, body, init)
         return (o / norm[..., None]).astype(q.dtype), m + jnp.log(norm)
 
     qb = _blocks(q, bq)
@@ -79,8 +82,9 @@ def _forward(q, k, v, causal, scale, bq, bk):
     return _unblock(o), _unblock(lse[..., None])[..., 0]  # (B,Hkv,G,T,D), (B,Hkv,G,T)
 
 
-def _backward(q, k, v, o, lse, do, causal, scale, bq, bk):
+def _backward(q, k, v, o, lse, do, causal, scale, bq, bk, mask: Band | None = None):
     nq, nk = q.shape[3] // bq, k.shape[2] // bk
+    mask = as_band(causal, mask)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)  # (B, Hkv, G, T)
 
     def q_slice(x, i):
@@ -92,7 +96,7 @@ def _backward(q, k, v, o, lse, do, causal, scale, bq, bk):
         def body(i, carry):
             dk, dv = carry
             q_blk, do_blk = q_slice(q, i), q_slice(do, i).astype(jnp.float32)
-            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, causal)
+            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, mask)
             p = jnp.exp(s - q_slice(lse[..., None], i))
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_blk)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk.astype(jnp.float32))
@@ -100,24 +104,26 @@ def _backward(q, k, v, o, lse, do, causal, scale, bq, bk):
             dk = dk + scale * jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_blk.astype(jnp.float32))
             return dk, dv
 
-        lower = (j * bk) // bq if causal else 0
+        lower, upper = mask.query_blocks(j, bq, bk, nq)
         zeros = jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32)
-        dk, dv = lax.fori_loop(lower, nq, body, zeros)
+        dk, dv = lax.fori_loop(lower, upper, body, zeros)
         return dk.astype(k.dtype), dv.astype(v.dtype)
 
     def one_q_block(args):
         i, q_blk, do_blk, lse_blk, delta_blk = args
+        n, block = mask.key_blocks(i, bq, bk, nk)
 
-        def body(j, dq):
+        def body(step, dq):
+            j = block(step)
             k_blk = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
             v_blk = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, causal)
+            s = _scores(q_blk, k_blk, i, j, bq, bk, scale, mask)
             p = jnp.exp(s - lse_blk[..., None])
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk.astype(jnp.float32), v_blk.astype(jnp.float32))
             ds = p * (dp - delta_blk[..., None])
             return dq + scale * jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_blk.astype(jnp.float32))
 
-        dq = lax.fori_loop(0, _k_upper(i, bq, bk, nk, causal), body, jnp.zeros(q_blk.shape, jnp.float32))
+        dq = lax.fori_loop(0, n, body, jnp.zeros(q_blk.shape, jnp.float32))
         return dq.astype(q.dtype)
 
     kb = k.reshape(*k.shape[:2], nk, bk, k.shape[-1]).transpose(2, 0, 1, 3, 4)
@@ -139,29 +145,36 @@ def _backward(q, k, v, o, lse, do, causal, scale, bq, bk):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, causal, scale, bq, bk):
-    return _forward(q, k, v, causal, scale, bq, bk)[0]
+def _flash(q, k, v, mask, scale, bq, bk):
+    return _forward(q, k, v, mask, scale, bq, bk)[0]
 
 
-def _flash_fwd(q, k, v, causal, scale, bq, bk):
-    o, lse = _forward(q, k, v, causal, scale, bq, bk)
+def _flash_fwd(q, k, v, mask, scale, bq, bk):
+    o, lse = _forward(q, k, v, mask, scale, bq, bk)
     return o, (q, k, v, o, lse)
 
 
-def _flash_bwd(causal, scale, bq, bk, residuals, do):
+def _flash_bwd(mask, scale, bq, bk, residuals, do):
     q, k, v, o, lse = residuals
-    return _backward(q, k, v, o, lse, do, causal, scale, bq, bk)
+    return _backward(q, k, v, o, lse, do, mask, scale, bq, bk)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def attention_xla_chunked(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int):
-    """Flash attention in XLA on (batch, seq, heads, head_dim) arrays; K/V may have fewer heads (GQA)."""
+def attention_xla_chunked(
+    q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int, window=None, prefix: int = 0
+):
+    """Flash attention in XLA on (batch, seq, heads, head_dim) arrays; K/V may have fewer heads (GQA).
+
+    ``window`` and ``prefix`` as in :func:`conductor.kernels.attention`: key blocks outside the band
+    are skipped, not masked.
+    """
     b, t, h, d = q.shape
     hkv = k.shape[2]
+    mask = band(causal=causal, window=window, prefix=prefix, seq_q=t, seq_k=k.shape[1])
     # (B, T, H, D) → (B, Hkv, G, T, D): query head h = kv_head · G + g
     qg = q.reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    o = _flash(qg, kt, vt, causal, scale, block_q, block_k)
+    o = _flash(qg, kt, vt, mask, scale, block_q, block_k)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, v.shape[-1])
