@@ -20,6 +20,9 @@ MAX_SEQ = 1 << 20  # tokens per sample
 MAX_STAGES = 64
 MAX_TIME_LIMIT_S = 86400.0
 
+# the exit code of a command whose time limit ran out before it had an answer (a user mistake is 2)
+OUT_OF_TIME = 3
+
 # set by the entry point for the length of a command run with --json: its errors go to stdout as JSON too,
 # so a script reading stdout sees an answer whatever happened
 _JSON_ERRORS: ContextVar[bool] = ContextVar("json_errors", default=False)
@@ -44,10 +47,11 @@ def report_error(message: str, *, as_json: bool) -> None:
     typer.echo(f"error: {message}", err=True)
 
 
-def fail(message: str) -> NoReturn:
-    """End the command with a one-line error on stderr and exit code 2 (and JSON on stdout under --json)."""
+def fail(message: str, *, code: int = 2) -> NoReturn:
+    """End the command with a one-line error on stderr and exit ``code`` (2: a user mistake;
+    :data:`OUT_OF_TIME`), and ``{"error": message}`` on stdout under --json."""
     report_error(message, as_json=_JSON_ERRORS.get())
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=code)
 
 
 DTYPES = ("float32", "bfloat16")

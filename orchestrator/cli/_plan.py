@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from typing import Annotated
 
 import typer
@@ -15,6 +16,7 @@ from orchestrator.cli._common import (
     MAX_SEQ,
     MAX_STAGES,
     MAX_TIME_LIMIT_S,
+    OUT_OF_TIME,
     cluster_or_fail,
     fail,
     recipe_cost_model,
@@ -22,6 +24,9 @@ from orchestrator.cli._common import (
     seq_or_fail,
 )
 from orchestrator.cli._user_model import UserModelOption, explicit, user_cost_model, user_model_or_fail
+
+# the clock --time-limit-s runs on (a test gives a fake one, so it can run out of time without waiting)
+clock = time.perf_counter
 
 
 def plan_command(
@@ -48,7 +53,15 @@ def plan_command(
             help="Largest number of pipeline stages to consider (default: the layers, at most 16).",
         ),
     ] = None,
-    time_limit_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="Solver time budget.")] = 60.0,
+    time_limit_s: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            max=MAX_TIME_LIMIT_S,
+            help="Wall-clock limit for the whole command (capture, cost table, search); past it, the best plan "
+            "found with its gap, or exit 3.",
+        ),
+    ] = 60.0,
     zero: Annotated[
         bool, typer.Option(help="ZeRO-1: shard optimizer state over each stage's data-parallel replicas.")
     ] = False,
@@ -60,7 +73,9 @@ def plan_command(
 ) -> None:
     """Plan a recipe's (or your --model's) training step on a cluster: stages, devices, TP/DP, microbatches, with a
     certified gap."""
-    from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
+    from orchestrator.planner import Deadline, PlanInfeasible, PlanNotFound, plan
+
+    deadline = Deadline.after(time_limit_s, clock=clock)  # the capture counts against the limit too
 
     if user_model is not None:
         own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "seq", "dtype"))
@@ -79,11 +94,13 @@ def plan_command(
                 global_batch=batch,
                 schedule=schedule,
                 max_stages=max_stages,
-                time_limit_s=time_limit_s,
                 zero=zero,
+                deadline=deadline,
             )
-        except (PlanInfeasible, PlanNotFound) as error:
+        except PlanInfeasible as error:
             fail(str(error))
+        except PlanNotFound as error:
+            fail(str(error).replace("raise time_limit_s", "raise --time-limit-s"), code=OUT_OF_TIME)
     from orchestrator.cluster import cluster_to_dict
 
     # the cluster travels in the plan, so simulate, report and train --plan read it from any directory

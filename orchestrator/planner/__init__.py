@@ -20,12 +20,13 @@ back up and the baselines never reach into it:
     _space | _split | _migration | _evaluate           search space, chain splits, pricing a plan
     _ilp                                               the stage ILP
     _closed_form | _table                              the step time's closed form; the cost table
-    _groups | _plan                                    device groups; the Plan type
+    _groups | _plan | _deadline                        device groups; the Plan type; the hard time limit
 
 Outside the package, only the names below are public; ``orchestrator.planner.baselines`` is
 public to the benches (its ``__all__``).
 """
 
+from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._driver import plan
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._plan import Coverage, Plan, PlanInfeasible, PlanNotFound, Stage
@@ -33,6 +34,8 @@ from orchestrator.planner._replan import cached_plan, fingerprint, replan
 
 __all__ = [
     "Coverage",
+    "Deadline",
+    "DeadlineExceeded",
     "Plan",
     "PlanInfeasible",
     "PlanNotFound",

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
+from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._evaluate import Evaluation
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.solver import solve
+
+log = logging.getLogger(__name__)
 
 NEAR = 0.95  # a resource used to this fraction of its capacity counts as binding
 
@@ -71,25 +76,70 @@ def _round_up(value: float, digits: int = 3) -> float:
     return math.ceil(value / scale) * scale
 
 
-def infeasibility_message(model, space, candidates, max_stages: int, schedule: str, global_batch: int) -> str:
-    """Name the binding constraint and the least extra memory per device that would make a plan exist."""
+def infeasibility_message(
+    model,
+    space,
+    candidates,
+    max_stages: int,
+    schedule: str,
+    global_batch: int,
+    *,
+    deadline: Deadline | None = None,
+) -> str:
+    """Name the binding constraint and the least extra memory per device that would make a plan exist
+    (one MIP per microbatch count, largest first, each in its share of what is left of ``deadline``;
+    what the deadline leaves unproven is said so)."""
     devices = sum(info.devices for info in space.infos.values())
     head = f"no plan fits {space.layers} layers with global batch {global_batch} on {devices} devices"
-    valid = [M for M in candidates if any(space.table.microbatch(g, M) is not None for g in space.groups)]
+    advice = "Add devices or memory, allow more stages, or use a smaller batch."
+    out_of_time = f"{head}: the time limit ran out before the least extra memory that makes one exist was found"
+    try:
+        valid = [M for M in candidates if any(space.table.microbatch(g, M) is not None for g in space.groups)]
+    except DeadlineExceeded:
+        return f"{out_of_time}. {advice}"
     if not valid:
         return f"{head}: no microbatch count in {candidates} divides the global batch (choose a batch divisible by one)"
-    least = None
-    for M in valid:
-        sub = space.stage_model(M, max_stages, schedule, repair=True).build()
-        result = solve(sub.lp, time_limit_s=10.0, gap=1e-4)
+    least, proven = None, True
+
+    def share(index: int) -> float:  # each M's share of the time left (at most 10 s)
+        return 10.0 if deadline is None else min(10.0, deadline.left() / (len(valid) - index))
+
+    build_s = 0.0  # how long the last model took to build and hand over: no M is started that could not finish
+    for index, M in enumerate(valid):
+        started = time.perf_counter()
+        try:
+            if share(index) <= build_s:
+                raise DeadlineExceeded(deadline.limit_s)
+            sub = space.stage_model(M, max_stages, schedule, repair=True).build()
+        except DeadlineExceeded:
+            proven = False
+            break
+        result = solve(sub.lp, time_limit_s=max(0.05, share(index) - build_s), gap=1e-4)
+        build_s = time.perf_counter() - started - result.solve_s
+        log.debug(
+            "least extra memory at M=%d: %s, %.2f s to build, %.2f s to solve",
+            M,
+            result.status,
+            build_s,
+            result.solve_s,
+        )
+        proven = proven and result.status in ("Optimal", "Infeasible")
         if result.has_solution and (least is None or result.objective < least[0]):
             least = (result.objective, M)
+    if least is None and not proven:
+        return f"{out_of_time}. {advice}"
     if least is None:
         return f"{head}: the device and stage limits leave no assignment (more devices or --max-stages needed)"
     extra_gb, M = least
     extra_gb = _round_up(extra_gb * (1 + 1e-6))  # shown rounded up, so adding what it says is enough
+    if proven:
+        extra = f"the least extra memory that makes a plan exist is {extra_gb:.4g} GB per device (at {M} microbatches)"
+    else:
+        extra = (
+            f"{extra_gb:.4g} GB more per device makes a plan exist (at {M} microbatches; the least was not proven "
+            "within the time limit)"
+        )
     return (
         f"{head}: the memory constraint binds — every split into ≤ {max_stages} stages with microbatches in {valid} "
-        f"exceeds device memory; the least extra memory that makes a plan exist is {extra_gb:.4g} GB per device "
-        f"(at {M} microbatches). Add devices or memory, allow more stages, or use a smaller batch."
+        f"exceeds device memory; {extra}. {advice}"
     )

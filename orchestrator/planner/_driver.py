@@ -21,6 +21,10 @@ Every solve asks only for plans ``gap`` better than the incumbent (``_incumbent`
 piece whose bound is within ``gap`` of it is closed: the plan returned is then certified within
 ``gap`` of the optimum, not necessarily optimal. The certified lower bound is the smallest bound
 over all pieces and closed M (``_pieces.Certificate``), so the gap covers the whole search space.
+
+The time limit is hard (``_deadline``): the cost table checks it before every entry it computes,
+so work no solver's limit stops (pricing a huge batch's shares, a large cluster's groups) ends
+there too; the search then stops with the incumbent it has, whose gap is unknown (its bound 0).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 
 from orchestrator.costs import CostModel
 from orchestrator.planner._bounds import column_bounds, packing_bounds
+from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._diagnose import infeasibility_message
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._incumbent import Best
@@ -64,6 +69,7 @@ def plan(
     zero: bool = False,
     mixed_stages: bool | None = None,
     options: SearchOptions | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan:
     """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
 
@@ -102,6 +108,9 @@ def plan(
         most ``options.mixed_hosts`` hosts. The executor runs one SPMD program per stage, which
         cannot give replicas uneven shares: plan with False to execute.
       options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
+      deadline: when given, bounds the call in place of ``time_limit_s`` (a :class:`Deadline` that
+        started earlier, e.g. with a command that captured the model first); its ``limit_s`` is
+        the limit an answer that ran out of time names.
 
     Returns:
       The best plan found, with its certified lower bound and gap.
@@ -110,7 +119,7 @@ def plan(
       PlanInfeasible: no plan fits (proven); the message names the binding constraint and
         the least extra memory per device that would make one exist.
       PlanNotFound: the time limit ran out before any plan was found and before the
-        search space was proven empty.
+        search space was proven empty (its message: "no plan found within N s ...").
 
     Example:
       >>> from orchestrator.planner import plan
@@ -122,7 +131,9 @@ def plan(
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    deadline = deadline or Deadline.after(time_limit_s)
     started = time.perf_counter()
+    time_limit_s = max(0.0, deadline.left())  # what the steps below share
     options = options or SearchOptions()
     mixed = options.offers_mixed(model.cluster, mixed_stages)
     space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed)
@@ -139,10 +150,72 @@ def plan(
     best = Best(space, schedule, migration=migration, keys=keys)
     certificate = Certificate(best, gap)
 
+    scope = Scope(space=space, candidates=candidates, max_stages=max_stages, gap=gap, options=options)
+    finish_s = min(options.finish_s, time_limit_s / 100)
+    # the search ends a little early, so the plan (devices, explanation) is built within the limit
+    hard = deadline.earlier_by(finish_s)
+    try:
+        with space.table.bounded(hard):
+            hard.check()
+            _search(
+                model,
+                scope,
+                certificate,
+                global_batch=global_batch,
+                recompute=recompute,
+                start=start,
+                migration=migration,
+                started=started,
+                time_limit_s=time_limit_s,
+                finish_s=finish_s,
+            )
+        stopped = False
+    except DeadlineExceeded:
+        log.debug("the time limit stopped the search after %.2f s", time.perf_counter() - started)
+        stopped = True
+    if best.current is None:
+        with space.table.bounded(deadline):
+            _no_plan(model, space, certificate, candidates, max_stages, schedule, global_batch, deadline, stopped)
+    found = best.current
+    return make_plan(
+        model,
+        space,
+        found.evaluation,
+        found.stages,
+        found.groups,
+        found.microbatches,
+        schedule=schedule,
+        global_batch=global_batch,
+        bound=0.0 if stopped else certificate.lower,
+        gap=gap,
+        started=started,
+        prefer_devices=prefer_devices,
+        objective=found.score,
+        covered=space.coverage(candidates, max_stages),
+    )
+
+
+def _search(
+    model: CostModel,
+    scope: Scope,
+    certificate: Certificate,
+    *,
+    global_batch: int,
+    recompute: bool,
+    start: tuple[list[list[int]], list[GroupConfig], int] | None,
+    migration: Migration | None,
+    started: float,
+    time_limit_s: float,
+    finish_s: float,
+) -> None:
+    """The three steps of the module docstring, each in its share of ``time_limit_s`` from ``started``,
+    ending ``finish_s`` early; the incumbent goes into ``certificate.best``, what the search proves into
+    ``certificate``."""
+    best, options, candidates, max_stages = certificate.best, scope.options, scope.candidates, scope.max_stages
+
     def left() -> float:
         return time_limit_s - (time.perf_counter() - started)
 
-    scope = Scope(space=space, candidates=candidates, max_stages=max_stages, gap=gap, options=options)
     # each step in its share of the time left: the first incumbent, the column bounds, the packing bounds
     one_stage_s = first_incumbent(
         model,
@@ -171,28 +244,7 @@ def plan(
         started=started,
         time_limit_s=time_limit_s,
     )
-    # the search ends a little early, so the plan (devices, explanation) is built within the limit
-    deadline = started + time_limit_s - min(options.finish_s, time_limit_s / 100)
-    _solve_pieces(pieces, certificate, deadline=deadline, options=options)
-    if best.current is None:
-        _no_plan(model, space, certificate, candidates, max_stages, schedule, global_batch, time_limit_s)
-    found = best.current
-    return make_plan(
-        model,
-        space,
-        found.evaluation,
-        found.stages,
-        found.groups,
-        found.microbatches,
-        schedule=schedule,
-        global_batch=global_batch,
-        bound=certificate.lower,
-        gap=gap,
-        started=started,
-        prefer_devices=prefer_devices,
-        objective=found.score,
-        covered=space.coverage(candidates, max_stages),
-    )
+    _solve_pieces(pieces, certificate, deadline=started + time_limit_s - finish_s, options=options)
 
 
 def _solve_pieces(pieces: list[Piece], certificate: Certificate, *, deadline: float, options: SearchOptions) -> None:
@@ -221,13 +273,17 @@ def _no_plan(
     max_stages: int,
     schedule: str,
     global_batch: int,
-    time_limit_s: float,
+    deadline: Deadline,
+    stopped: bool,
 ) -> None:
-    """Raise why the search found no plan: out of time before it proved none fits, or none fits."""
-    if certificate.unproven:
+    """Raise why the search found no plan: out of time (``stopped`` by the deadline, or some M left
+    open) before it proved none fits, or none fits (its diagnosis within what is left of ``deadline``)."""
+    if stopped or certificate.unproven:
+        open_counts = "the search stopped" if stopped else f"microbatch counts {sorted(certificate.unproven)} open"
         raise PlanNotFound(
-            f"no plan found within time_limit_s={time_limit_s:g} for {space.layers} layers on "
-            f"{len(model.cluster.devices())} devices, and none proven impossible (microbatch counts "
-            f"{sorted(certificate.unproven)} ran out of time): raise time_limit_s"
+            f"no plan found within {deadline.limit_s:g} s for {space.layers} layers on "
+            f"{len(model.cluster.devices())} devices, and none proven impossible ({open_counts}): raise time_limit_s"
         )
-    raise PlanInfeasible(infeasibility_message(model, space, candidates, max_stages, schedule, global_batch))
+    raise PlanInfeasible(
+        infeasibility_message(model, space, candidates, max_stages, schedule, global_batch, deadline=deadline)
+    )
