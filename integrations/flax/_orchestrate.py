@@ -11,6 +11,7 @@ run around every step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -20,6 +21,7 @@ import jax
 from integrations.callbacks import Callback, CallbackList
 from integrations.flax._capture import capture
 from integrations.flax._shard import device_map, shard
+from integrations.flax._stagewise import why_not_stagewise
 from integrations.flax._step import compile_step
 
 
@@ -207,7 +209,10 @@ def orchestrate(
       conductor: rewrite the step with :mod:`conductor` kernels first (``conductor.optimize``): True for
         the default policy, or a ``conductor.Policy``.
       profile: time the layers on the local device and use those times (``local`` cluster only).
-      max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`.
+      max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`. A state whose update does not
+        split by pipeline stage (no ``apply_gradients``, as :func:`~integrations.flax.from_nnx` states; an
+        optimizer across parameters, as ``optax.clip_by_global_norm``) is planned on one stage, and the plan's
+        notes say why.
       zero: plan with ZeRO-1 and shard optimizer moments over data-parallel replicas.
       pipeline_options: keyword arguments for the pipeline executor of multi-stage plans
         (``observers``), kept for plans the run switches to.
@@ -237,6 +242,10 @@ def orchestrate(
     if conductor:
         train_step = _conductor(train_step, conductor)
     state = _as_arrays(state)
+    # a state whose update does not split by stage (an nnx state, a global-norm clip) is planned on one stage
+    one_stage = why_not_stagewise(state)
+    if plan is not None and len(plan.stages) > 1 and one_stage is not None:
+        raise ValueError(f"this plan has {len(plan.stages)} stages, and the step runs on one stage only: {one_stage}")
     model = cost_model(train_step, state, batch, cluster, param_axes=param_axes, profile=profile, axis_rules=axis_rules)
     graph, layers, global_batch = model.graph, model.layers, model.batch_size
     if plan is None:
@@ -245,11 +254,13 @@ def orchestrate(
         plan = make_plan(  # one device type per stage: what one SPMD program per stage can run
             model,
             global_batch=global_batch,
-            max_stages=max_stages,
+            max_stages=1 if one_stage is not None else max_stages,
             time_limit_s=time_limit_s,
             zero=zero,
             mixed_stages=False,
         )
+        if one_stage is not None:
+            plan = dataclasses.replace(plan, notes=(f"one stage: {one_stage}", *plan.notes))
     placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero, axis_rules=axis_rules)
     options = dict(pipeline_options or {})
     step_fn = compile_step(

@@ -15,7 +15,8 @@ stages has its partial gradients moved to its owner and added. Each stage then
 applies ``state.apply_gradients`` to the parameters and optimizer-state leaves
 it owns (other leaves masked out as ``None``), which equals the single-program
 update for any optimizer that acts leaf by leaf (AdamW, SGD, Adam; not a global
-gradient-norm clip).
+gradient-norm clip: :mod:`integrations.flax._stagewise` tells them apart, and a step
+whose update does not split is refused here and planned on one stage by ``orchestrate``).
 
 **Schedule.** Each stage runs its forwards and backwards in the order
 :func:`orchestrator.simulate.stage_order` gives, the one the simulator replays
@@ -45,6 +46,7 @@ from integrations.flax._observe import Dispatch, PipelineObserver
 from integrations.flax._programs import Built, PipelineBuilder
 from integrations.flax._runner import StepRun
 from integrations.flax._stages import StageProgram, cut_stages
+from integrations.flax._stagewise import why_not_stagewise
 
 __all__ = ["Pipeline", "StageProgram", "cut_stages"]
 
@@ -80,10 +82,10 @@ class Pipeline:
         observers: Sequence[PipelineObserver] = (),
         axis_rules=None,
     ):
-        if not hasattr(state, "apply_gradients"):
+        why = why_not_stagewise(state)
+        if why is not None:
             raise ValueError(
-                "a multi-stage plan needs a Flax TrainState (its apply_gradients runs each stage's update); "
-                "run other states (e.g. from_nnx) under single-stage plans (planner max_stages=1)"
+                f"a multi-stage plan updates each stage apart, and this step cannot: {why}; plan it with max_stages=1"
             )
         self.plan = plan
         self.builder = PipelineBuilder(

@@ -291,11 +291,15 @@ def _cost_model(model: _Model, cluster):
     return cost_model(model.train_step, state, model.batch_spec, cluster, param_axes=model.param_axes)
 
 
-def _replan(previous, cost_model, config: RunConfig, global_batch: int):
-    """A plan on ``cost_model``'s cluster: re-planned from ``previous``, or a first plan if there is none."""
+def _replan(previous, cost_model, config: RunConfig, global_batch: int, state):
+    """A plan on ``cost_model``'s cluster: re-planned from ``previous``, or a first plan if there is none;
+    one stage for a ``state`` whose update does not split by stage, as in :func:`orchestrate`."""
+    from integrations.flax._stagewise import why_not_stagewise
     from orchestrator.planner import plan, replan
 
     options = dict(global_batch=global_batch, time_limit_s=config.time_limit_s, mixed_stages=False)
+    if why_not_stagewise(state) is not None:
+        options["max_stages"] = 1
     return plan(cost_model, **options) if previous is None else replan(previous, cost_model, **options)
 
 
@@ -379,7 +383,10 @@ def train(
     if config.plan is not None and not plan_fits(config.plan, cluster, global_batch):
         t0 = time.perf_counter()
         config = dataclasses.replace(
-            config, plan=_replan(config.plan, _cost_model(model, cluster), config, global_batch)
+            config,
+            plan=_replan(
+                config.plan, _cost_model(model, cluster), config, global_batch, jax.eval_shape(model.init_state)
+            ),
         )
         # replan's first note: what was lost, how the plan changed, the predicted step before and after
         why = next((f" {n.removeprefix('re-planned ')}" for n in config.plan.notes if n.startswith("re-planned")), "")
@@ -461,7 +468,7 @@ def _recover(run, error: DevicesLost, config: RunConfig, cluster, checkpoints: C
     """(the config re-planned on ``cluster`` without the lost devices, the :class:`Recovery` so far)."""
     started = time.perf_counter()
     cost_model = run.cost_model.with_cluster(cluster)  # graph-derived tables are reused, not recomputed
-    plan = _replan(run.plan, cost_model, config, global_batch)
+    plan = _replan(run.plan, cost_model, config, global_batch, run.state)
     replan_s = time.perf_counter() - started
     checkpoints.wait()
     latest = checkpoints.latest_step()
