@@ -8,6 +8,7 @@
 
 from orchestrator.cluster._load import ClusterError, cluster_to_dict, load_cluster, parse_cluster, preset_names
 from orchestrator.cluster._model import LEVELS, Cluster, Device, DeviceType, Host, Level, Link
+from orchestrator.cluster._ring import ring_crossings, ring_order
 
 __all__ = [
     "LEVELS",
@@ -22,4 +23,6 @@ __all__ = [
     "load_cluster",
     "parse_cluster",
     "preset_names",
+    "ring_crossings",
+    "ring_order",
 ]
