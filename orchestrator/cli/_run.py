@@ -38,6 +38,7 @@ from orchestrator.cli._common import (
     recipe_or_fail,
     seq_or_fail,
 )
+from orchestrator.cli._user_model import UserModelOption, trainable_or_fail, user_model_or_fail
 
 _FLAG = "--xla_force_host_platform_device_count"
 _MAX_VIRTUAL = 512  # virtual CPU devices a resume asks for on its own
@@ -81,16 +82,20 @@ def _cluster_on_jax(cluster, present: int):
     return cluster
 
 
-def _plan_mismatch(plan, cluster, *, recipe: str, seq: int, global_batch: int) -> str | None:
-    """Why ``plan`` cannot run this run as it is (another model, cluster or devices), or None if it can."""
+def _plan_mismatch(plan, cluster, *, recipe: str, seq: int, global_batch: int, model: str | None = None) -> str | None:
+    """Why ``plan`` cannot run this run as it is (another model, cluster or devices), or None if it can.
+
+    ``model`` is the ``--model`` spec of a run of the user's own step (then ``recipe`` and ``seq`` are unused).
+    """
     from orchestrator.cluster import ClusterError, parse_cluster
 
     source = plan.source
-    if "model" in source:  # orchestrator plan --model: a user's own step, which train does not run
-        return f"it was made for the model {source['model']!r}, and this run trains the recipe {recipe!r}"
-    if isinstance(source.get("recipe"), str) and source["recipe"] != recipe:
-        return f"it was made for recipe {source['recipe']!r}, and this run trains {recipe!r}"
-    if isinstance(source.get("seq"), int) and source["seq"] != seq:
+    runs = f"the model {model!r}" if model is not None else f"the recipe {recipe!r}"
+    if "model" in source and source["model"] != model:
+        return f"it was made for the model {source['model']!r}, and this run trains {runs}"
+    if isinstance(source.get("recipe"), str) and (model is not None or source["recipe"] != recipe):
+        return f"it was made for recipe {source['recipe']!r}, and this run trains {runs if model else repr(recipe)}"
+    if model is None and isinstance(source.get("seq"), int) and source["seq"] != seq:
         return f"it was made for sequence length {source['seq']}, and this run's is {seq}"
     if plan.global_batch != global_batch:
         return f"it plans a global batch of {plan.global_batch}, and this run's is {global_batch} (--batch)"
@@ -135,10 +140,17 @@ def _run(run_dir: Path, config) -> None:
     from orchestrator.planner import PlanInfeasible, PlanNotFound
     from recipes import RecipeRun
 
-    try:
-        recipe = RecipeRun.from_json(config.metadata)
-    except (KeyError, TypeError, ValueError) as error:
-        fail(f"{run_dir / 'run.json'} holds no recipe run: {str(error).splitlines()[0]}")
+    own = config.metadata.get("model")
+    if isinstance(own, str):  # orchestrator train --model: the factory is imported again (from this directory)
+        user = trainable_or_fail(user_model_or_fail(own))
+        model = (user.train_step, user.initial_state, lambda step: user.example_batch)
+        param_axes = None
+    else:
+        try:
+            recipe = RecipeRun.from_json(config.metadata)
+        except (KeyError, TypeError, ValueError) as error:
+            fail(f"{run_dir / 'run.json'} holds no recipe run: {str(error).splitlines()[0]}")
+        model, param_axes = (recipe.train_step, recipe.init_state, recipe.batch), recipe.param_axes()
 
     class Progress(Callback):
         def on_step_begin(self, step: int) -> None:
@@ -147,10 +159,7 @@ def _run(run_dir: Path, config) -> None:
     out = Console(soft_wrap=True)
     with Console(stderr=True).status("capturing and placing the step") as status:
         try:
-            model = (recipe.train_step, recipe.init_state, recipe.batch)
-            result = train(
-                *model, run_dir=run_dir, param_axes=recipe.param_axes(), callbacks=[Progress()], log=out.print
-            )
+            result = train(*model, run_dir=run_dir, param_axes=param_axes, callbacks=[Progress()], log=out.print)
         except (ClusterError, PlanInfeasible, PlanNotFound, ValueError) as error:
             fail(str(error).splitlines()[0])
     ran = result.steps - result.first_step
@@ -165,8 +174,10 @@ def _run(run_dir: Path, config) -> None:
 
 
 def train_command(
+    ctx: typer.Context,
     run_dir: Annotated[Path, typer.Option("--run-dir", help="New directory for run.json and checkpoints.")],
     recipe: Annotated[str | None, typer.Option(help="Recipe to train (default: the --plan's, else gpt-tiny).")] = None,
+    user_model: UserModelOption = None,
     cluster: Annotated[
         str | None,
         typer.Option(help="Cluster to plan for; its devices must be jax's (default: the --plan's, else local)."),
@@ -187,7 +198,8 @@ def train_command(
     plan: Annotated[Path | None, typer.Option(help="Execute this plan (JSON) instead of planning.")] = None,
     time_limit_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="Planner time budget.")] = 10.0,
 ) -> None:
-    """Plan and train a recipe with asynchronous orbax checkpoints; continue later with ``orchestrator resume``."""
+    """Plan and train a recipe (or your --model's step, on its batch every step) with asynchronous orbax
+    checkpoints; continue later with ``orchestrator resume``."""
     if (run_dir / "run.json").exists():
         fail(f"{run_dir} already holds a run; continue it with: orchestrator resume {run_dir}")
     if run_dir.exists() and not run_dir.is_dir():
@@ -200,20 +212,28 @@ def train_command(
     # what the command line leaves out comes from the plan (it names its recipe and shape and embeds its
     # cluster), so `train --plan FILE` runs what `orchestrator plan` planned, from any directory
     made_for = _plan_defaults(loaded, plan)
-    recipe = recipe or made_for.get("recipe") or "gpt-tiny"
-    spec = recipe_or_fail(recipe)
-    seq = seq_or_fail(spec, seq or made_for.get("seq"))
-    global_batch = batch or made_for.get("global_batch") or spec.batch_size
+    user_model = user_model or (made_for.get("model") if recipe is None else None)
+    if user_model is not None:  # the factory's batch sets the shapes; the recipe's options do not apply
+        own = trainable_or_fail(user_model_or_fail(user_model, ctx, recipe_options=("recipe", "batch", "seq", "seed")))
+        global_batch = own.batch_size
+    else:
+        recipe = recipe or made_for.get("recipe") or "gpt-tiny"
+        spec = recipe_or_fail(recipe)
+        seq = seq_or_fail(spec, seq or made_for.get("seq"))
+        global_batch = batch or made_for.get("global_batch") or spec.batch_size
     embedded = made_for.get("cluster") if cluster is None else None
     spec_cluster = _cluster_on_jax(embedded or cluster_or_fail(cluster or "local"), present)
     unavailable = _unavailable(spec_cluster, devices)
     if loaded is not None:
         in_service = dataclasses.replace(spec_cluster, unavailable=spec_cluster.unavailable | set(unavailable))
-        why = _plan_mismatch(loaded, in_service, recipe=recipe, seq=seq, global_batch=global_batch)
+        why = _plan_mismatch(loaded, in_service, recipe=recipe, seq=seq, global_batch=global_batch, model=user_model)
         if why is not None:
             fail(f"--plan {plan}: {why}")
     try:
-        run = RecipeRun(recipe=recipe, global_batch=global_batch, seq_len=seq, seed=seed)
+        if user_model is None:
+            metadata = RecipeRun(recipe=recipe, global_batch=global_batch, seq_len=seq, seed=seed).to_json()
+        else:
+            metadata = {"model": user_model, "global_batch": global_batch}
         config = RunConfig(
             steps=steps,
             checkpoint_every=checkpoint_every,
@@ -222,7 +242,7 @@ def train_command(
             unavailable=unavailable,
             time_limit_s=time_limit_s,
             plan=loaded,
-            metadata=run.to_json(),
+            metadata=metadata,
         )
     except (KeyError, ValueError) as error:
         fail(str(error).splitlines()[0])
@@ -257,6 +277,8 @@ def _plan_defaults(plan, path) -> dict:
     found: dict = {"global_batch": plan.global_batch}
     if isinstance(source.get("recipe"), str):
         found["recipe"] = source["recipe"]
+    if isinstance(source.get("model"), str):
+        found["model"] = source["model"]
     if isinstance(source.get("seq"), int) and not isinstance(source["seq"], bool):
         found["seq"] = source["seq"]
     if isinstance(source.get("cluster_spec"), dict) and source["cluster_spec"].get("name") != "local":
@@ -339,12 +361,14 @@ def resume_command(
     _cluster_on_jax(here, present)
     if config.plan is not None:
         recipe = config.metadata.get("recipe") if isinstance(config.metadata, dict) else None
+        own = config.metadata.get("model") if isinstance(config.metadata, dict) else None
         why = _plan_mismatch(
             config.plan,
             here,
             recipe=recipe or "",
             seq=config.metadata.get("seq_len", 0),
             global_batch=config.metadata.get("global_batch", config.plan.global_batch),
+            model=own if isinstance(own, str) else None,
         )
         if why is not None and new_plan is not None:
             fail(f"--plan {plan}: {why}")

@@ -1,7 +1,8 @@
 """``orchestrator simulate PLAN.json`` and ``orchestrator report PLAN.json --html out.html``.
 
-A plan written by ``orchestrator plan`` names its recipe and sequence length and embeds
-its cluster, so it is simulated with its cost model (transfers in bytes over the real
+A plan written by ``orchestrator plan`` names its recipe and sequence length (or its
+``--model``, imported again from the current directory) and embeds its cluster, so it is
+simulated with its cost model (transfers in bytes over the real
 links, memory in bytes) from any directory. For a plan without them, pass the same
 ``--recipe``/``--cluster`` (and ``--seq``) as to ``orchestrator plan``; without those the
 simulation runs from the plan's own numbers.
@@ -62,6 +63,25 @@ def _capture(spec, cluster, seq: int | None):
         return recipe_cost_model(spec, cluster, seq)
 
 
+def _user_model(plan, plan_file: str):
+    """The cost model of the plan's ``--model`` step on its embedded cluster, as ``orchestrator plan`` built it
+    (the factory's module is imported from the current directory)."""
+    from rich.console import Console
+
+    from orchestrator.cli._user_model import user_cost_model, user_model_or_fail
+    from orchestrator.cluster import ClusterError, parse_cluster
+
+    if not isinstance(plan.source.get("cluster_spec"), dict):
+        fail(f"{plan_file}: a plan for --model {plan.source['model']} needs its source.cluster_spec")
+    try:
+        spec_cluster = parse_cluster(plan.source["cluster_spec"], f"{plan_file}: source.cluster_spec")
+    except ClusterError as error:
+        fail(str(error))
+    own = user_model_or_fail(plan.source["model"])
+    with Console(stderr=True).status(f"capturing {own.spec} for its cost model"):
+        return user_cost_model(own, spec_cluster)
+
+
 def _simulate(plan_file: str, recipe, cluster, seq, blocking_p2p: bool, no_sync_overlap: bool):
     from orchestrator.simulate import simulate
 
@@ -70,6 +90,8 @@ def _simulate(plan_file: str, recipe, cluster, seq, blocking_p2p: bool, no_sync_
         # the plan names what it was made for; its cluster travels in the file, so any directory will do
         source = plan_source_or_fail(plan, plan_file)
         model = _capture(recipe_or_fail(source.recipe, source.dtype), source.cluster, seq or source.seq)
+    elif recipe is None and cluster is None and isinstance(plan.source.get("model"), str):
+        model = _user_model(plan, plan_file)
     else:
         model = _model(recipe, cluster, seq)
     try:

@@ -1,4 +1,5 @@
-"""``--model package.module:factory``: a user's own JAX/Flax training step for ``orchestrator plan`` and ``graph``.
+"""``--model package.module:factory``: a user's own JAX/Flax training step for ``orchestrator plan``, ``graph``
+and ``train``.
 
 The factory takes no arguments and returns ``(train_step, state, batch)``:
 ``train_step(state, batch)`` is the step to plan, ``state`` the training
@@ -19,11 +20,14 @@ Example (``mymodels/mlp.py``)::
 
         def train_step(state, batch):
             loss = lambda p: ((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2).mean()
-            return state.apply_gradients(grads=jax.grad(loss)(state.params))
+            value, grads = jax.value_and_grad(loss)(state.params)
+            return state.apply_gradients(grads=grads), {"loss": value}
 
         return train_step, state, {"x": x, "y": jnp.ones((64, 10))}
 
-``orchestrator plan --model mymodels.mlp:make --cluster a100x8``
+``orchestrator plan --model mymodels.mlp:make --cluster a100x8``; ``orchestrator train --model
+mymodels.mlp:make --run-dir run`` also needs what :func:`trainable_or_fail` checks: arrays, a
+``state.step``, and ``(state, {"loss": ...})`` from the step.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -59,6 +63,7 @@ class UserModel:
       train_step: ``train_step(state, batch)``.
       state, batch: pytrees of ``jax.ShapeDtypeStruct``.
       batch_size: the leading dimension of the batch's arrays.
+      initial_state, example_batch: the state and batch as the factory returned them (what ``train`` runs).
     """
 
     spec: str
@@ -66,6 +71,8 @@ class UserModel:
     state: Any
     batch: Any
     batch_size: int
+    initial_state: Any = None
+    example_batch: Any = None
 
 
 def explicit(ctx, name: str) -> bool:
@@ -110,7 +117,7 @@ def _checked(spec: str, returned) -> UserModel:
     if not isinstance(returned, tuple | list) or len(returned) != 3:
         got = f"{len(returned)} items" if isinstance(returned, tuple | list) else type(returned).__name__
         fail(f"--model {spec} {expected}, got {got}")
-    train_step, state, batch = returned
+    train_step, initial_state, example_batch = returned
     if not callable(train_step):
         fail(f"--model {spec} {expected}: its train_step is not a function (it is {type(train_step).__name__})")
 
@@ -118,11 +125,48 @@ def _checked(spec: str, returned) -> UserModel:
         x = x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
-    state, batch = jax.tree.map(abstract, state), jax.tree.map(abstract, batch)
+    state, batch = jax.tree.map(abstract, initial_state), jax.tree.map(abstract, example_batch)
     leaves = jax.tree.leaves(batch)
     if not leaves or not leaves[0].shape:
         fail(f"--model {spec} {expected}: the batch has no array with a leading batch dimension")
-    return UserModel(spec=spec, train_step=train_step, state=state, batch=batch, batch_size=leaves[0].shape[0])
+    return UserModel(
+        spec=spec,
+        train_step=train_step,
+        state=state,
+        batch=batch,
+        batch_size=leaves[0].shape[0],
+        initial_state=initial_state,
+        example_batch=example_batch,
+    )
+
+
+def trainable_or_fail(model: UserModel) -> UserModel:
+    """``model`` if ``orchestrator train`` can run it, else a one-line error saying what is missing.
+
+    Training needs values, not shapes; a state that counts its steps (``state.step``, as a Flax
+    ``TrainState`` does: a checkpoint is read back at it); and a step returning ``(state, metrics)``
+    with ``metrics["loss"]``, of the same structure as the state.
+    """
+    import jax
+
+    spec = model.spec
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((model.initial_state, model.example_batch))):
+        fail(f"--model {spec}: training needs arrays, and its state or batch holds shapes (jax.ShapeDtypeStruct)")
+    if not hasattr(model.state, "step"):
+        fail(
+            f"--model {spec}: training needs a state with a step counter (a Flax TrainState); "
+            f"its state is a {type(model.state).__name__}"
+        )
+    try:
+        out = jax.eval_shape(model.train_step, model.state, model.batch)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as error:  # the user's code, on shapes
+        fail(f"--model {spec}: its train_step fails on the factory's state and batch: {str(error).splitlines()[0]}")
+    shape = "train_step(state, batch) must return (state, metrics) with metrics['loss']"
+    if not (isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], Mapping) and "loss" in out[1]):
+        fail(f"--model {spec}: to train, {shape}; it returns {type(out).__name__}")
+    if jax.tree.structure(out[0]) != jax.tree.structure(model.state):
+        fail(f"--model {spec}: to train, {shape}; its new state differs in structure from the state it takes")
+    return model
 
 
 def user_cost_model(model: UserModel, cluster):

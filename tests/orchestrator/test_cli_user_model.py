@@ -1,4 +1,5 @@
-"""``orchestrator plan|graph --model package.module:factory`` on the own model in ``tests/orchestrator/user_model.py``."""
+"""``orchestrator plan|graph|train --model package.module:factory`` on the own model in ``tests/orchestrator/user_model.py``,
+and ``simulate``/``report`` of the plan it makes."""
 
 import json
 
@@ -64,3 +65,58 @@ def test_recipe_options_with_a_model_are_refused():
     assert result.exit_code == 2 and "--recipe applies to recipes" in result.stderr
     result = runner.invoke(app, ["graph", "--model", MODEL, "--seq-len", "8"])
     assert result.exit_code == 2 and "--seq-len applies to recipes" in result.stderr
+
+
+def test_simulate_and_report_rebuild_a_model_plans_cost_model(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    args = ["plan", "--model", MODEL, "--cluster", "a100x8", "--time-limit-s", "30", "--out", str(plan_file)]
+    assert runner.invoke(app, args).exit_code == 0
+    result = runner.invoke(app, ["simulate", str(plan_file)])
+    assert result.exit_code == 0, result.output
+    assert "peak memory" in result.stdout  # from the cost model: the plan's own numbers have no memory timeline
+    result = runner.invoke(app, ["report", str(plan_file), "--html", str(tmp_path / "report.html")])
+    assert result.exit_code == 0 and (tmp_path / "report.html").stat().st_size > 0
+
+
+def test_train_and_resume_a_user_model_like_jit(tmp_path):
+    import jax
+    import numpy as np
+
+    from integrations.flax import RunConfig, latest_checkpoint
+    from tests.orchestrator.user_model import mlp
+
+    run_dir = tmp_path / "run"
+    args = ["train", "--model", MODEL, "--run-dir", str(run_dir), "--steps", "2", "--time-limit-s", "30"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert RunConfig.load(run_dir).metadata == {"model": MODEL, "global_batch": 32}
+    result = runner.invoke(app, ["resume", str(run_dir), "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert latest_checkpoint(run_dir) == 2
+    step, state, batch = mlp()
+    for _ in range(3):  # the factory's batch every step, as train runs it
+        state, metrics = jax.jit(step)(state, batch)
+    loss = float(result.stdout.split("loss ")[1].split(":")[0])  # "at step 3, loss 2.3456: ..."
+    np.testing.assert_allclose(loss, float(metrics["loss"]), atol=1e-4)  # printed with 4 decimals
+
+
+@pytest.mark.parametrize(
+    ("spec", "extra", "message"),
+    [
+        (
+            "tests.orchestrator.user_model:no_loss",
+            [],
+            "to train, train_step(state, batch) must return (state, metrics)",
+        ),
+        ("tests.orchestrator.user_model:shapes_only", [], "training needs arrays"),
+        (MODEL, ["--batch", "64"], "--batch applies to recipes"),
+        ("tests.orchestrator.no_such_module:mlp", [], "no module named 'tests.orchestrator.no_such_module'"),
+    ],
+)
+def test_train_refuses_a_model_it_cannot_train_in_one_line(tmp_path, spec, extra, message):
+    run_dir = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--model", spec, "--run-dir", str(run_dir), *extra])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert message in line and "Traceback" not in result.output
+    assert not run_dir.exists()

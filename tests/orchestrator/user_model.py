@@ -1,4 +1,4 @@
-"""An own model for ``orchestrator plan --model tests.orchestrator.user_model:mlp`` (and the CLI's error tests)."""
+"""An own model for ``orchestrator plan|graph|train --model tests.orchestrator.user_model:mlp`` (and the CLI's error tests)."""
 
 import flax.linen as nn
 import jax
@@ -19,8 +19,8 @@ class MLP(nn.Module):
 def mlp():
     """A residual MLP with the standard ``TrainState.create`` (its step a Python int), batch 32."""
     model = MLP()
-    x = jnp.ones((32, 16))
-    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x), tx=optax.adamw(1e-3))
+    params = model.init(jax.random.key(0), jnp.ones((32, 16)))
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
 
     def train_step(state, batch):
         def loss(params):
@@ -28,9 +28,11 @@ def mlp():
                 state.apply_fn(params, batch["x"]), batch["y"]
             ).mean()
 
-        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": value}
 
-    return train_step, state, {"x": x, "y": jnp.zeros((32,), jnp.int32)}
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    return train_step, state, {"x": x, "y": jnp.argmax(x[:, :10], axis=-1)}
 
 
 def two_things():
@@ -48,3 +50,15 @@ def not_a_step():
 def no_batch():
     step, state, _ = mlp()
     return step, state, {}
+
+
+def no_loss():
+    """Plans (the step's shapes are enough) but does not train: the step returns the state alone."""
+    step, state, batch = mlp()
+    return (lambda state, batch: step(state, batch)[0]), state, batch
+
+
+def shapes_only():
+    """Plans on shapes, which training cannot run."""
+    step, state, batch = mlp()
+    return step, jax.eval_shape(lambda: state), batch
