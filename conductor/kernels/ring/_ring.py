@@ -11,10 +11,12 @@ r + s), and each block's dK/dV accumulator travels with it,
 
 so the accumulator arriving at step s is not needed until the step's own contribution is
 computed, and one last ``ppermute`` brings every block's sum home after n steps. Traffic per
-device: forward (n − 1) K/V blocks; backward (n − 1) K/V blocks and n dK/dV blocks (fp32). The
-backward's first send is not the forward's first send again, so XLA cannot merge the two when
-both passes are one program, which would keep the received block alive from one pass to the
-other (a K/V block per layer); on a link that carries both directions, each pass uses its own.
+device: forward (n − 1) K/V blocks; backward (n − 1) K/V blocks and n dK/dV blocks (fp32).
+
+The backward sends K and V joined in one array. Its first send is then never the forward's
+first send again (for n = 2 the two directions are the same permutation), which XLA would merge
+when both passes are one program, keeping the received block alive from the forward to the
+backward: one more K/V block per layer.
 
 Step 0 (the device's own block) and the last step (nothing left to send) are peeled off a
 ``fori_loop`` over the steps between, so the program's size does not grow with n and only the
@@ -26,6 +28,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from conductor.kernels.ring._steps import (
@@ -65,28 +68,28 @@ def _forward(ring: Ring, q, k, v):
 
 
 def _backward(ring: Ring, q, k, v, o, lse, do):
-    n, me = ring.n, lax.axis_index(ring.axis_name)
+    n, me, d = ring.n, lax.axis_index(ring.axis_name), k.shape[-1]
     rows = backward_rows(q, o, lse, do)
     dq = lax.full(q.shape, 0.0, "float32")
-    nxt = _shift(ring, (k, v), -1) if n > 1 else None
     dq, dk, dv = grads(ring, rows, dq, k, v, "self")
     if n == 1:
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    # K and V travel joined (and dK, dV likewise): one message per step (B, Hkv, T/n, D + Dv)
+    nxt = _shift(ring, jnp.concatenate([k, v], axis=-1), -1)
 
-    def step(s, k, v, acc, dq):
+    def step(s, kv, acc, dq):
         incoming = _shift(ring, acc, -1)
-        dq, dk, dv = grad_step(ring, rows, dq, k, v, me=me, src=(me + s) % n)
-        return (incoming[0] + dk, incoming[1] + dv), dq
+        dq, dk, dv = grad_step(ring, rows, dq, kv[..., :d], kv[..., d:], me=me, src=(me + s) % n)
+        return incoming + jnp.concatenate([dk, dv], axis=-1), dq
 
     def body(s, carry):
-        (k, v), acc, dq = carry
-        nxt = _shift(ring, (k, v), -1)
-        return nxt, *step(s, k, v, acc, dq)
+        kv, acc, dq = carry
+        return _shift(ring, kv, -1), *step(s, kv, acc, dq)
 
-    (k, v), acc, dq = lax.fori_loop(1, n - 1, body, (nxt, (dk, dv), dq))
-    acc, dq = step(n - 1, k, v, acc, dq)
-    dk, dv = _shift(ring, acc, -1)  # every block's sum goes home
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    kv, acc, dq = lax.fori_loop(1, n - 1, body, (nxt, jnp.concatenate([dk, dv], axis=-1), dq))
+    acc, dq = step(n - 1, kv, acc, dq)
+    acc = _shift(ring, acc, -1)  # every block's sum goes home
+    return dq.astype(q.dtype), acc[..., :d].astype(k.dtype), acc[..., d:].astype(v.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
