@@ -9,7 +9,6 @@ import time
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from orchestrator.cli._common import (
     MAX_GLOBAL_BATCH,
@@ -23,6 +22,7 @@ from orchestrator.cli._common import (
     recipe_or_fail,
     seq_or_fail,
 )
+from orchestrator.cli._progress import Progress, show_search
 from orchestrator.cli._user_model import UserModelOption, explicit, user_cost_model, user_model_or_fail
 
 # the clock --time-limit-s runs on (a test gives a fake one, so it can run out of time without waiting)
@@ -86,8 +86,9 @@ def plan_command(
     if schedule not in ("1f1b", "gpipe"):
         fail(f"--schedule must be 1f1b or gpipe, got {schedule!r}")
     spec_cluster = cluster_or_fail(cluster)
-    with Console(stderr=True).status(f"capturing and planning {user_model or recipe} on {spec_cluster.name}"):
+    with Progress(f"capturing {user_model or recipe}") as shown:
         model = user_cost_model(own, spec_cluster) if user_model else recipe_cost_model(spec, spec_cluster, seq)
+        shown.update(f"planning {len(model.layers)} layers on {spec_cluster.name}")
         try:
             result = plan(
                 model,
@@ -96,6 +97,7 @@ def plan_command(
                 max_stages=max_stages,
                 zero=zero,
                 deadline=deadline,
+                progress=show_search(shown),
             )
         except PlanInfeasible as error:
             fail(str(error))

@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from orchestrator.cli._common import MAX_GLOBAL_BATCH, MAX_SEQ, recipe_or_fail, seq_or_fail
+from orchestrator.cli._progress import Progress
 
 
 def profile_command(
@@ -35,14 +35,17 @@ def profile_command(
     spec = recipe_or_fail(recipe)
     seq_len = seq_or_fail(spec, seq_len, "--seq-len")
     state, batch = spec.abstract_state(), spec.batch_spec(batch_size, seq_len)
-    graph = capture(spec.train_step, state, batch)
-    layers = coarsen(graph)
-    distinct = len({layer.signature for layer in layers})
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("profiling", total=distinct)
+    with Progress(f"capturing {recipe}") as shown:
+        graph = capture(spec.train_step, state, batch)
+        layers = coarsen(graph)
+        distinct = len({layer.signature for layer in layers})
+        done = 0
+        shown.update("profiling", completed=done, total=distinct)
 
-        def advance(name: str) -> None:
-            progress.update(task, advance=1, description=f"profiling {name}")
+        def advance(name: str) -> None:  # called as each distinct layer's timing starts
+            nonlocal done
+            shown.update("profiling", completed=done, total=distinct, detail=f"timing {name}", force=True)
+            done += 1
 
         timings = profile_layers(
             spec.train_step, state, batch, graph=graph, layers=layers, repeats=repeats, progress=advance
@@ -90,4 +93,5 @@ def profile_command(
             f"{row['optimizer_s'] * 1e3:.2f}",
         )
     Console().print(table)
-    Console().print(f"calibrated efficiency: {efficiency}")
+    fractions = " · ".join(f"{k} {float(getattr(efficiency, k)):.3g}" for k in EFFICIENCY_CLASSES)
+    Console().print(f"calibrated efficiency: {fractions}")

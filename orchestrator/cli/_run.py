@@ -38,6 +38,7 @@ from orchestrator.cli._common import (
     recipe_or_fail,
     seq_or_fail,
 )
+from orchestrator.cli._progress import Progress, show_steps
 from orchestrator.cli._user_model import UserModelOption, trainable_or_fail, user_model_or_fail
 
 _FLAG = "--xla_force_host_platform_device_count"
@@ -133,8 +134,8 @@ def _cluster_arg(cluster: str) -> str:
 
 
 def _run(run_dir: Path, config) -> None:
-    """Train the run in ``run_dir`` (saved as ``config``), a spinner on stderr, a few lines on stdout."""
-    from integrations.callbacks import Callback
+    """Train the run in ``run_dir`` (saved as ``config``): its progress on stderr (each step's loss, measured
+    and predicted time), a few lines on stdout."""
     from integrations.flax import train
     from orchestrator.cluster import ClusterError
     from orchestrator.planner import PlanInfeasible, PlanNotFound
@@ -152,14 +153,11 @@ def _run(run_dir: Path, config) -> None:
             fail(f"{run_dir / 'run.json'} holds no recipe run: {str(error).splitlines()[0]}")
         model, param_axes = (recipe.train_step, recipe.init_state, recipe.batch), recipe.param_axes()
 
-    class Progress(Callback):
-        def on_step_begin(self, step: int) -> None:
-            status.update(f"step {step}")
-
     out = Console(soft_wrap=True)
-    with Console(stderr=True).status("capturing and placing the step") as status:
+    with Progress("capturing and placing the step") as shown:
+        steps = show_steps(shown, config.steps)
         try:
-            result = train(*model, run_dir=run_dir, param_axes=param_axes, callbacks=[Progress()], log=out.print)
+            result = train(*model, run_dir=run_dir, param_axes=param_axes, callbacks=[steps], log=out.print)
         except (ClusterError, PlanInfeasible, PlanNotFound, ValueError) as error:
             fail(str(error).splitlines()[0])
     ran = result.steps - result.first_step

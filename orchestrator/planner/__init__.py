@@ -20,7 +20,8 @@ back up and the baselines never reach into it:
     _space | _split | _migration | _evaluate           search space, chain splits, pricing a plan
     _ilp                                               the stage ILP
     _closed_form | _table                              the step time's closed form; the cost table
-    _groups | _plan | _deadline                        device groups; the Plan type; the hard time limit
+    _groups | _plan | _deadline | _progress            device groups; the Plan type; the hard time limit;
+                                                       what a search reports as it goes
 
 Outside the package, only the names below are public; ``orchestrator.planner.baselines`` is
 public to the benches (its ``__all__``).
@@ -30,6 +31,7 @@ from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._driver import plan
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._plan import Coverage, Plan, PlanInfeasible, PlanNotFound, Stage
+from orchestrator.planner._progress import SearchProgress
 from orchestrator.planner._replan import cached_plan, fingerprint, replan
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "PlanInfeasible",
     "PlanNotFound",
     "SearchOptions",
+    "SearchProgress",
     "Stage",
     "cached_plan",
     "fingerprint",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from orchestrator.costs import CostModel
 from orchestrator.planner._bounds import column_bounds, packing_bounds
@@ -44,6 +45,7 @@ from orchestrator.planner._models import build_pieces
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._pieces import Certificate, Piece, close_beaten
 from orchestrator.planner._plan import Plan, PlanInfeasible, PlanNotFound
+from orchestrator.planner._progress import Observer, SearchProgress
 from orchestrator.planner._scope import Scope
 from orchestrator.planner._solve import first_pass, rounds
 from orchestrator.planner._space import SearchSpace, microbatch_counts, search_space
@@ -70,6 +72,7 @@ def plan(
     mixed_stages: bool | None = None,
     options: SearchOptions | None = None,
     deadline: Deadline | None = None,
+    progress: Observer | None = None,
 ) -> Plan:
     """The best plan for ``model``'s layers on its cluster (see ``_ilp`` for the model).
 
@@ -111,6 +114,8 @@ def plan(
       deadline: when given, bounds the call in place of ``time_limit_s`` (a :class:`Deadline` that
         started earlier, e.g. with a command that captured the model first); its ``limit_s`` is
         the limit an answer that ran out of time names.
+      progress: called with a :class:`SearchProgress` as each step of the search starts and as
+        each piece's solve ends (the incumbent, the bound, the gap), on this thread.
 
     Returns:
       The best plan found, with its certified lower bound and gap.
@@ -151,6 +156,14 @@ def plan(
     certificate = Certificate(best, gap)
 
     scope = Scope(space=space, candidates=candidates, max_stages=max_stages, gap=gap, options=options)
+
+    def report(step: str, **counts) -> None:
+        if progress is not None:
+            incumbent = None if best.current is None else best.current.evaluation.iteration_s
+            progress(
+                SearchProgress(step=step, elapsed_s=time.perf_counter() - started, incumbent_s=incumbent, **counts)
+            )
+
     finish_s = min(options.finish_s, time_limit_s / 100)
     # the search ends a little early, so the plan (devices, explanation) is built within the limit
     hard = deadline.earlier_by(finish_s)
@@ -168,6 +181,7 @@ def plan(
                 started=started,
                 time_limit_s=time_limit_s,
                 finish_s=finish_s,
+                report=report,
             )
         stopped = False
     except DeadlineExceeded:
@@ -177,7 +191,7 @@ def plan(
         with space.table.bounded(deadline):
             _no_plan(model, space, certificate, candidates, max_stages, schedule, global_batch, deadline, stopped)
     found = best.current
-    return make_plan(
+    result = make_plan(
         model,
         space,
         found.evaluation,
@@ -193,6 +207,8 @@ def plan(
         objective=found.score,
         covered=space.coverage(candidates, max_stages),
     )
+    report("done", bound_s=result.bound)
+    return result
 
 
 def _search(
@@ -207,16 +223,18 @@ def _search(
     started: float,
     time_limit_s: float,
     finish_s: float,
+    report: Callable[..., None],
 ) -> None:
     """The three steps of the module docstring, each in its share of ``time_limit_s`` from ``started``,
     ending ``finish_s`` early; the incumbent goes into ``certificate.best``, what the search proves into
-    ``certificate``."""
+    ``certificate``, and ``report(step, **counts)`` hears of each step and each piece solved."""
     best, options, candidates, max_stages = certificate.best, scope.options, scope.candidates, scope.max_stages
 
     def left() -> float:
         return time_limit_s - (time.perf_counter() - started)
 
     # each step in its share of the time left: the first incumbent, the column bounds, the packing bounds
+    report("first plan")
     one_stage_s = first_incumbent(
         model,
         scope,
@@ -227,6 +245,7 @@ def _search(
         started=started,
         time_limit_s=time_limit_s,
     )
+    report("bounds")
     columns = column_bounds(scope, best, deadline=time.perf_counter() + options.column_share * left())
     # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
     # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
@@ -234,6 +253,7 @@ def _search(
     open_counts = [M for M in candidates if M not in complete]
     packing = packing_bounds(scope, best, open_counts, deadline=time.perf_counter() + options.packing_share * left())
     packing.update(complete)
+    report("models")
     pieces = build_pieces(
         scope,
         certificate,
@@ -244,22 +264,40 @@ def _search(
         started=started,
         time_limit_s=time_limit_s,
     )
-    _solve_pieces(pieces, certificate, deadline=started + time_limit_s - finish_s, options=options)
+    _solve_pieces(pieces, certificate, deadline=started + time_limit_s - finish_s, options=options, report=report)
 
 
-def _solve_pieces(pieces: list[Piece], certificate: Certificate, *, deadline: float, options: SearchOptions) -> None:
+def _solve_pieces(
+    pieces: list[Piece],
+    certificate: Certificate,
+    *,
+    deadline: float,
+    options: SearchOptions,
+    report: Callable[..., None],
+) -> None:
     """The first pass over ``pieces`` (fewest stages first), then rounds over those still open, until
-    ``deadline``; every solve and every piece's final bound go into ``certificate``."""
+    ``deadline``; every solve and every piece's final bound go into ``certificate``, and each solve's
+    end to ``report`` (the pieces solved, and the bound so far: the least over the closed M and the
+    pieces, a tail piece split in the first pass keeping the bound it had)."""
     best, gap = certificate.best, certificate.gap
     close_beaten(pieces, best.current, gap)  # none is gap better than the incumbent
     pieces.sort(key=lambda p: p.stages)
+    built, solved = list(pieces), 0
 
     def current():
         return best.current
 
-    with PieceWorkers(
-        default_workers(), lambda piece, result: certificate.record(piece.model, result, piece)
-    ) as workers:
+    def bound_s() -> float:
+        return min([certificate.lower, *(p.bound_s for p in built)])
+
+    def record(piece: Piece, result) -> None:
+        nonlocal solved
+        certificate.record(piece.model, result, piece)
+        solved += 1
+        report("pieces", bound_s=bound_s(), pieces_solved=solved, pieces=len(built))
+
+    report("pieces", bound_s=bound_s(), pieces=len(built))
+    with PieceWorkers(default_workers(), record) as workers:
         pieces = first_pass(pieces, workers, current, gap=gap, deadline=deadline, options=options)
         rounds(pieces, workers, current, gap=gap, deadline=deadline, options=options)
     certificate.settle(pieces)

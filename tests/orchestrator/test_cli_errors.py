@@ -23,12 +23,13 @@ SMALL = {
 
 
 def one_line_error(args, expected: str, *, also_json: bool = True) -> str:
-    """Run ``args`` (and with --json unless not ``also_json``): exit 2, one line naming ``expected``, the same
+    """Run ``args`` (and with --json unless not ``also_json``): exit 2, one error line naming ``expected``, the same
     error as JSON on stdout."""
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
-    [line] = result.stderr.strip().splitlines()
+    *progress, line = result.stderr.strip().splitlines()  # progress lines, when piped, come first
+    assert not any(p.startswith("error: ") for p in progress), progress
     assert line.startswith("error: ") and expected in line, line
     if not also_json:
         return line

@@ -145,7 +145,8 @@ def run(args) -> object:
     assert "Traceback" not in result.output
     event(f"{args[0]}: exit {result.exit_code}")
     if result.exit_code == 2:
-        [line] = result.stderr.strip().splitlines()
+        *progress, line = result.stderr.strip().splitlines()  # progress lines, when piped, come first
+        assert not any(p.startswith("error: ") for p in progress), progress
         assert line.startswith("error: ")
     return result
 

@@ -19,7 +19,8 @@ def refused(args, expected: str) -> str:
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
-    [line] = result.stderr.strip().splitlines()
+    *progress, line = result.stderr.strip().splitlines()  # progress lines, when piped, come first
+    assert not any(p.startswith("error: ") for p in progress), progress
     assert expected in line, line
     return line
 
