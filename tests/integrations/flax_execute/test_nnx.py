@@ -1,12 +1,13 @@
-"""flax.nnx models with nnx.Optimizer run under a plan like on one device."""
+"""flax.nnx models with nnx.Optimizer, and steps written with nnx, run under a plan like on one device."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
-from integrations.flax import compile_step, from_nnx, shard
+from integrations.flax import compile_step, from_nnx, orchestrate, shard
 from integrations.flax._shard import leaf_params
 from orchestrator.bench.executor import check_plan
 
@@ -48,3 +49,33 @@ def test_nnx_model_trains_under_dp4xtp2_like_one_device():
     assert losses[-1] < losses[0]
     for a, b in zip(jax.tree.leaves(placed["params"]), jax.tree.leaves(reference["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def user_step(model, optimizer, batch):
+    """A step as nnx writes them: model and optimizer updated in place, metrics returned."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+
+def test_a_step_written_with_nnx_is_orchestrated_like_jit():
+    model = MLP(nnx.Rngs(0))
+    state, step = from_nnx(model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param), step=user_step)
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    batch = {"x": x, "y": jnp.sin(x.sum(-1))}
+    run = orchestrate(state, step, batch=batch, profile=False, time_limit_s=5)
+    assert len(run.plan.stages) == 1  # the update is nnx's, not a TrainState's: one stage
+    reference, ref_step = state, jax.jit(step)
+    for _ in range(3):
+        reference, expected = ref_step(reference, batch)
+        metrics = run.step(batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(expected["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(float(metrics["grad_norm"]), float(expected["grad_norm"]), rtol=1e-5)
+
+
+def test_from_nnx_takes_a_loss_or_a_step():
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+    for kwargs in ({}, {"loss_fn": loss_fn, "step": user_step}):
+        with pytest.raises(ValueError, match="one of them"):
+            from_nnx(model, optimizer, **kwargs)
