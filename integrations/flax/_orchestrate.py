@@ -230,6 +230,8 @@ def orchestrate(
     """
     from orchestrator.cluster import load_cluster
 
+    if callable(state) and not callable(train_step):
+        raise TypeError("orchestrate(state, train_step, cluster, batch=...) takes the state first, then the step")
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
     device_map(cluster)  # a cluster jax cannot run fails here, before the capture and the plan

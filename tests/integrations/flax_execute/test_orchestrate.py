@@ -177,3 +177,9 @@ def test_one_local_cpu_device_warns_how_to_get_more():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "planning for 1 local CPU device" in out.stdout, out.stderr[-2000:]
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in out.stdout
+
+
+def test_the_state_comes_before_the_step(gpt):
+    recipe, state, batches = gpt
+    with pytest.raises(TypeError, match="takes the state first, then the step"):
+        orchestrate(recipe.train_step, state, batch=batches[0])

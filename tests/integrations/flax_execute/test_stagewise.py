@@ -38,7 +38,12 @@ def state_with(tx):
 
 @pytest.mark.parametrize(
     "tx",
-    [optax.adamw(1e-3), optax.sgd(1e-2, momentum=0.9), optax.lion(1e-4), optax.chain(optax.clip(1.0), optax.adam(1e-3))],
+    [
+        optax.adamw(1e-3),
+        optax.sgd(1e-2, momentum=0.9),
+        optax.lion(1e-4),
+        optax.chain(optax.clip(1.0), optax.adam(1e-3)),
+    ],
     ids=["adamw", "sgd-momentum", "lion", "clip-per-element"],
 )
 def test_leafwise_optimizers_split_by_stage(tx):
