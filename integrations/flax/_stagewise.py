@@ -57,8 +57,9 @@ def why_not_stagewise(state) -> str | None:
         return f"its state ({type(state).__name__}) has no apply_gradients to run each stage's update with"
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), state)
     closed = jax.make_jaxpr(lambda s, g: s.apply_gradients(grads=g))(abstract, abstract.params)
-    owners = [name for name, _ in leaf_params(abstract)]  # the new state's leaves are the state's, in order
-    param_owners = [name for name, is_param in leaf_params(abstract) if is_param]  # the gradients'
+    leaves = leaf_params(abstract)
+    owners = [name for name, _ in leaves]  # the new state's leaves are the state's, in order
+    param_owners = [name for name, is_param in leaves if is_param]  # the gradients'
     inputs = [_NONE if o is None else frozenset([o]) for o in (*owners, *param_owners)]
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     for path, owner, reads in zip(paths, owners, _reads(closed.jaxpr, inputs)):
