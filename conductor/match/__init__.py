@@ -32,7 +32,8 @@ class Match:
       path: where in nested bodies (``("scan",)``, ``("remat",)``; empty at top level).
       shapes: the kernel-layout shapes (attention: q (B, T, H, D), k (B, S, Hkv, D);
         selective scan: batch, seq, d_inner, d_state).
-      details: causal, scale (attention), the reason it cannot be rewritten (``problems``).
+      details: causal, mask ``kind``/``window``/``prefix``, scale (attention), the reason it cannot
+        be rewritten (``problems``).
       rewritable: whether a kernel can replace it exactly.
     """
 
@@ -68,7 +69,12 @@ def match_level(jaxpr: jcore.Jaxpr, consts=(), path: tuple[str, ...] = ()) -> li
                         scope=scope,
                         path=path,
                         shapes=dict(att["shapes"]),
-                        details={"causal": att["causal"], "scale": att["scale"], "problems": tuple(problems)},
+                        details={
+                            "causal": att["causal"],
+                            **att["mask"],  # kind, window, prefix
+                            "scale": att["scale"],
+                            "problems": tuple(problems),
+                        },
                         rewritable=not problems,
                         anchor=i,
                         region=att,

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from conductor.kernels.attention import Band
 from conductor.match._graph import CHECK_CHUNK, Const, Graph
 
 _MASKED = -1e9  # a fill or additive bias at or below this removes the key
@@ -126,7 +127,10 @@ def _walk_to_scores(g: Graph, s):
             mask = g.const(pred)
             if mask is None:
                 why = g.why_not_const(pred)
-                problems.append("mask computed from inputs" if "input" in why else f"mask is {why}")
+                if "input" in why:  # positions passed in, or data (padding): _describe tells which
+                    steps.append(("input mask", g, pred, _truthy if k == 1 else _falsy, shape))
+                else:
+                    problems.append(f"mask is {why}")
             elif fills[1 - k] is None or fills[1 - k] > _MASKED:
                 problems.append("select fills with a value that does not remove keys")
             else:
@@ -138,7 +142,7 @@ def _walk_to_scores(g: Graph, s):
             k = 1 if consts[1] is not None or name == "sub" else 0
             bias = consts[k]
             if bias is None:
-                problems.append("bias computed from inputs")
+                steps.append(("input bias", g, e.invars[k], np.negative if name == "sub" else None, shape))
             else:
                 bias = (bias if name == "add" else bias.map(np.negative)).fit(shape)
                 if _removes_or_keeps(bias):
@@ -225,7 +229,13 @@ def match_attention(g: Graph, index: int) -> dict | None:
         unmatched = unmatched or described
     if unmatched is None:
         return None
-    return {"shapes": {}, "causal": False, "scale": 1.0, "problems": [f"not matched: {unmatched}"]}
+    return {
+        "shapes": {},
+        "causal": False,
+        "mask": {"kind": "unsupported", "window": None, "prefix": 0},
+        "scale": 1.0,
+        "problems": [f"not matched: {unmatched}"],
+    }
 
 
 def _describe(walk, pv, side, p_map, pc, pb, vb, vc):
@@ -244,14 +254,16 @@ def _describe(walk, pv, side, p_map, pc, pb, vb, vc):
         sizes[f"u{len(sizes)}"] = 1
         return f"u{len(sizes) - 1}"
 
-    masks = []
+    masks, inputs = [], []
     for step in reversed(steps):  # from Q·Kᵀ forward: the label of each score dim
         if step[0] == "transpose":
             labels = [labels[p] for p in step[1]]
         elif step[0] == "units":
             labels = [labels[m] if m is not None else unit_label() for m in step[1]]
-        else:
+        elif step[0] == "mask":
             masks.append((step[1], list(labels)))
+        else:
+            inputs.append((step, list(labels)))
     key = labels[p_map[pc]]  # the softmax axis
     if key.startswith("R") and len(r_free) == 1:
         q, k, qc, kc, qb, kb, q_free = lhs, rhs, lc[0], rc[0], lb, rb, l_free
@@ -274,7 +286,9 @@ def _describe(walk, pv, side, p_map, pc, pb, vb, vc):
     if not q_labels:
         return "Q has no free dim for the query sequence"
     seq_q, seq_k = [q.aval.shape[d] for d in q_free], k.aval.shape[s_dim]
-    t_label, causal = _causal(masks, q_labels, key, sizes, problems)
+    t_label, mask = _band(masks, q_labels, key, sizes, problems)
+    problems.extend(_input_mask_problem(step, labels, masks, q_labels, key, sizes) for step, labels in inputs)
+    described = _describe_mask(mask, seq_k) if not inputs else {"kind": "from_inputs", "window": None, "prefix": 0}
     v_batch = {p_labels[pd]: vd for pd, vd in zip(pb, vb)}
     p_free = [p_labels[d] for d in range(len(p_labels)) if d not in pb and d != pc]
     out_labels = [p_labels[d] for d in pb] + ([*p_free, "dv"] if side == 0 else ["dv", *p_free])
@@ -302,47 +316,170 @@ def _describe(walk, pv, side, p_map, pc, pb, vb, vc):
             "q": (int(np.prod(batch, dtype=int)), seq_q[q_labels.index(t_label)], heads, head_dim),
             "k": (int(np.prod(batch, dtype=int)), seq_k, 1, head_dim),
         },
-        "causal": causal,
+        "causal": mask is not None and mask.right == 0,
+        "mask": described,
         "scale": scale,
         "problems": problems,
         "extra_sizes": {lab: q.aval.shape[int(lab[1:])] for lab in q_labels},
     }
 
 
-def _causal(masks, q_labels, key, sizes, problems):
-    """(query-sequence label, causal?) from the constant masks on the score axes.
+def _band(masks, q_labels, key, sizes, problems) -> tuple[str, Band | None]:
+    """(query-sequence label, the :class:`Band` the constant masks keep) on the score axes.
 
-    The masks are read a chunk of query rows at a time over the axes they depend on, so the check
-    costs O(T·S) time at any length and never builds a (T, S) array whole.
+    None (and a reason in ``problems``) when the masks are not a band of diagonals plus a prefix
+    of keys. The masks are read a chunk of query rows at a time over the axes they depend on, so
+    the reading costs O(T·S) time at any length and never builds a (T, S) array whole.
     """
     if not masks:
-        return q_labels[-1], False
-    order = sorted(sizes)
-    rank = len(order)
-    swept = {key} | {labels[d] for c, labels in masks for d in c.depends}
-    candidates = [t for t in reversed(q_labels) if sizes[t] == sizes[key]] or [None]
+        return q_labels[-1], Band()
+    candidates = [t for t in reversed(q_labels) if sizes[t] == sizes[key]]
+    reason = "the mask is not a function of the query and key positions"
     for t in candidates:
-        axes = sorted(swept | ({t} if t else set()), key=lambda lab: (lab != t, lab))  # t first: chunked
-        rest = math.prod(sizes[lab] for lab in axes[1:])
-        step = max(1, CHECK_CHUNK // max(rest, 1))
-        is_causal, is_empty = t is not None, True
-        for start in range(0, sizes[axes[0]], step):
-            index = {lab: np.zeros((1,) * rank, int) for lab in order}
-            for lab in axes:
-                n = sizes[lab]
-                span = np.arange(start, min(start + step, n)) if lab == axes[0] else np.arange(n)
-                index[lab] = span.reshape([-1 if o == lab else 1 for o in order])
-            grid = np.broadcast_shapes(*(i.shape for i in index.values()))
-            keep = np.ones(grid, bool)
-            for c, labels in masks:
-                keep &= np.broadcast_to(np.asarray(c.at(tuple(index[lab] for lab in labels)), bool), grid)
-            is_empty = is_empty and bool(keep.all())
-            is_causal = is_causal and bool(np.array_equal(keep, np.broadcast_to(index[key] <= index[t], grid)))
-            if not (is_causal or is_empty):
-                break
-        if is_empty:
-            return q_labels[-1], False
-        if is_causal:
-            return t, True
-    problems.append("mask is neither causal nor empty")
-    return q_labels[-1], False
+        found = _read_band(masks, t, key, sizes)
+        if isinstance(found, Band):
+            return t, found
+        reason = found
+    if _keeps_all(masks, key, sizes):
+        return q_labels[-1], Band()
+    problems.append(f"mask is not causal, a window, a band or a prefix: {reason}")
+    return q_labels[-1], None
+
+
+def _grid(masks, axes, spans, sizes):
+    """The combined keep-mask at the points ``spans`` (one index range per label in ``axes``; other
+    labels at 0), laid out in the order of ``axes``."""
+    order = sorted(sizes)
+    index = {lab: np.zeros((1,) * len(order), int) for lab in order}
+    for lab, span in zip(axes, spans):
+        index[lab] = span.reshape([-1 if o == lab else 1 for o in order])
+    grid = np.broadcast_shapes(*(i.shape for i in index.values()))
+    keep = np.ones(grid, bool)
+    for c, labels in masks:
+        keep &= np.broadcast_to(np.asarray(c.at(tuple(index[lab] for lab in labels)), bool), grid)
+    return keep.transpose([order.index(lab) for lab in axes] + [d for d, o in enumerate(order) if o not in axes])
+
+
+def _swept(masks, sizes):
+    return sorted({labels[d] for c, labels in masks for d in c.depends if sizes[labels[d]] > 1})
+
+
+def _keeps_all(masks, key, sizes) -> bool:
+    axes = sorted(set(_swept(masks, sizes)) | {key})
+    step = max(1, CHECK_CHUNK // max(math.prod(sizes[lab] for lab in axes[1:]), 1))
+    n = sizes[axes[0]]
+    spans = lambda start: [np.arange(start, min(start + step, n))] + [np.arange(sizes[lab]) for lab in axes[1:]]  # noqa: E731
+    return all(_grid(masks, axes, spans(start), sizes).all() for start in range(0, n, step))
+
+
+def _read_band(masks, t, key, sizes) -> Band | str:
+    """The band the masks keep with ``t`` as the query axis, or why they are none.
+
+    Keep(i, j) must be the same along every other axis; then p is the run of leading key columns
+    kept by every query, and every diagonal d = i − j (over keys j ≥ p) must be kept whole or
+    dropped whole, the kept ones forming one interval [−right, left]. Keep is then exactly
+    (i − left ≤ j ≤ i + right) or (j < p), so the kernel's band reproduces it.
+    """
+    others = [lab for lab in _swept(masks, sizes) if lab not in (t, key)]
+    n_t, n_s = sizes[t], sizes[key]
+    rest = n_s * math.prod(sizes[lab] for lab in others)
+    step = max(1, CHECK_CHUNK // max(rest, 1))
+    columns = np.ones(n_s, bool)  # key j kept by every query
+    kept = np.zeros(n_t + n_s - 1)  # per diagonal d = i − j + n_s − 1: kept pairs, all pairs
+    total = np.zeros(n_t + n_s - 1)
+    cols = np.arange(n_s)
+    for start in range(0, n_t, step):
+        rows = np.arange(start, min(start + step, n_t))
+        spans = [rows, cols] + [np.arange(sizes[lab]) for lab in others]
+        keep = _grid(masks, [t, key, *others], spans, sizes).reshape(len(rows), n_s, -1)
+        if not np.array_equal(keep.all(-1), keep.any(-1)):
+            return f"it varies along {', '.join(others)}"
+        keep = keep[..., 0]
+        columns &= keep.all(0)
+        diagonal = (rows[:, None] - cols[None, :] + n_s - 1).ravel()
+        kept += np.bincount(diagonal, weights=keep.ravel(), minlength=len(kept))
+        total += np.bincount(diagonal, minlength=len(total))
+    prefix = int(np.argmin(columns)) if not columns.all() else n_s
+    if prefix == n_s:
+        return Band()
+    # the prefix columns' pairs lie on diagonals −j … n_t − 1 − j: take them out of the counts
+    shift = np.zeros(len(kept) + 1)
+    np.add.at(shift, n_s - 1 - np.arange(prefix), 1)
+    np.add.at(shift, n_s - 1 - np.arange(prefix) + n_t, -1)
+    in_prefix = np.cumsum(shift)[:-1]
+    kept, total = kept - in_prefix, total - in_prefix
+    whole, none = (total > 0) & (kept == total), (total > 0) & (kept == 0)
+    if np.any((total > 0) & ~whole & ~none):
+        return "some diagonal i − j is kept in part (not a function of i − j)"
+    d = np.arange(len(kept)) - (n_s - 1)
+    if not whole.any():
+        return "it keeps only a prefix of keys"
+    lo, hi = int(d[whole].min()), int(d[whole].max())
+    if np.any(none & (d > lo) & (d < hi)):
+        return "the kept diagonals i − j are not one interval"
+    if lo > 0 or hi < 0:
+        return "it removes the diagonal (a query would not see its own key)"
+    left = None if not np.any(none & (d > hi)) else hi
+    right = None if not np.any(none & (d < lo)) else -lo
+    if left is None and (right is None or right >= prefix - 1):
+        prefix = 0  # the band already keeps every prefix key
+    return Band(left=left, right=right, prefix=prefix)
+
+
+def _describe_mask(mask: Band | None, seq_k: int) -> dict:
+    """The mask as ``kind`` (full, causal, sliding_window, band, prefix_lm; unsupported when it is none
+    of these), ``window`` and ``prefix``, ``window`` given as :func:`conductor.kernels.attention` takes it."""
+    if mask is None:
+        return {"kind": "unsupported", "window": None, "prefix": 0}
+    if not mask.masked:
+        return {"kind": "full", "window": None, "prefix": 0}
+    left, right, prefix = mask.left, mask.right, mask.prefix
+    if left is None:
+        if right == 0:
+            return {"kind": "prefix_lm" if prefix else "causal", "window": None, "prefix": prefix}
+        return {"kind": "band", "window": (seq_k - 1, right), "prefix": prefix}
+    if right == 0:
+        return {"kind": "sliding_window", "window": left + 1, "prefix": prefix}
+    right = seq_k - 1 if right is None else right
+    window = left + 1 if left == right else (left, right)
+    return {"kind": "band", "window": window, "prefix": prefix}
+
+
+def _input_mask_problem(step, labels, masks, q_labels, key, sizes) -> str:
+    """Why a mask computed from inputs is not rewritten: positions passed in, or data.
+
+    The question asked is what the mask would be if the inputs it reads along the sequence were
+    positions 0, 1, …: a band means a position-only mask whose positions the step takes as an input.
+    Such a mask is not rewritten, because nothing proves the input holds 0, 1, … and the kernels
+    derive every mask from the block indices.
+    """
+    kind, g, var, fn, shape = step
+    n = sizes[key]
+    probe = g.assuming(
+        {
+            v: Const(
+                tuple(v.aval.shape), lambda index, d=v.aval.ndim - 1: np.asarray(index[d]), frozenset({v.aval.ndim - 1})
+            )
+            for v in g.inputs_of(var)
+            if v.aval.ndim and v.aval.shape[-1] == n and not np.issubdtype(v.aval.dtype, np.bool_)
+        }
+    )
+    value = probe.const(var)
+    band = None
+    if value is not None:
+        if kind == "input mask":
+            keep = value.map(fn).fit(shape)
+        else:
+            bias = (value.map(fn) if fn else value).fit(shape)
+            keep = bias.map(lambda x: x > _MASKED) if _removes_or_keeps(bias) else None
+        if keep is not None:
+            band = _band([*masks, (keep, labels)], q_labels, key, sizes, [])[1]
+    if band is not None and band.masked and not (band.left == band.right == 0):
+        described = _describe_mask(band, n)
+        what = described["kind"].replace("_", " ") + (f" (window {described['window']})" if described["window"] else "")
+        return (
+            f"mask computed from inputs: a {what} over positions passed in as an input of the step, "
+            "not provably 0, 1, …; compute the positions in the step (jnp.arange) to have it rewritten"
+        )
+    what = "mask" if kind == "input mask" else "bias"
+    return f"{what} computed from inputs: it depends on the data (e.g. a padding mask), which no kernel here takes"

@@ -190,6 +190,30 @@ class Graph:
             self._const_of(e)
         return self._consts.get(v)
 
+    def inputs_of(self, v) -> list:
+        """The inputs of the step (this level's invars) that ``v`` is computed from."""
+        inputs = set(self.jaxpr.invars)
+        found, seen, stack = [], set(), [v]
+        while stack:
+            x = stack.pop()
+            if not isinstance(x, jcore.Var) or x in seen:
+                continue
+            seen.add(x)
+            e = self.eqn(x)
+            if e is not None:
+                stack.extend(e.invars)
+            elif x in inputs:
+                found.append(x)
+        return found
+
+    def assuming(self, values: dict) -> Graph:
+        """This graph with the inputs in ``values`` taken as the given :class:`Const` s (a what-if)."""
+        other = Graph.__new__(Graph)
+        other.jaxpr, other.producer, other.users, other.outputs = self.jaxpr, self.producer, self.users, self.outputs
+        other._consts = dict(self._consts) | dict(values)  # what is constant already stays so
+        other._why = {v: "an input of the step" for v in self.jaxpr.invars if v not in values}
+        return other
+
     def why_not_const(self, v) -> str:
         """Why ``v`` is not a constant: the input it is computed from or the fold that was refused."""
         self.const(v)

@@ -31,7 +31,7 @@ def _attention(match: Match, decision: Decision) -> Substitution:
     n_batch = len(lay["batch"])
     extras = lay["extras"]
     extra_sizes = [r["extra_sizes"][lab] for lab in extras]
-    causal, scale = r["causal"], r["scale"]
+    causal, scale, mask = r["causal"], r["scale"], r["mask"]
 
     def fn(q, k, v):
         # query → (B*, T, G, D): batch dims, then extra query dims as heads; keys/values → (B*, S, 1, D)
@@ -47,6 +47,8 @@ def _attention(match: Match, decision: Decision) -> Substitution:
             k,
             v,
             causal=causal,
+            window=mask["window"],
+            prefix=mask["prefix"],
             scale=scale,
             block_sizes=decision.block_sizes,
             implementation=decision.implementation,

@@ -119,7 +119,9 @@ def test_a_mask_from_inputs_is_reported_but_not_rewritten():
     args = (*_inputs((B, T, H, D), (B, T, H, D)), jnp.ones((B, T), bool))
     ((match, decision),) = conductor.inspect(padded, *args, policy=FORCE)
     assert match.pattern == "attention" and not match.rewritable and not decision.rewrite
-    assert "mask computed from inputs" in match.details["problems"]
+    assert match.details["problems"] == (
+        "mask computed from inputs: it depends on the data (e.g. a padding mask), which no kernel here takes",
+    )
 
 
 def test_an_unmatched_candidate_says_why():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conductor.kernels._common import Implementation, check_implementation, interpret_default
-from conductor.kernels.attention._mask import band
+from conductor.kernels.attention._mask import Band, band
 from conductor.kernels.attention._pallas import attention_pallas
 from conductor.kernels.attention._reference import attention_reference
 from conductor.kernels.attention._xla import attention_xla_chunked
@@ -91,4 +91,4 @@ def attention(
     return attention_pallas(q, k, v, **blocked, interpret=interpret_default(interpret), platform=platform)
 
 
-__all__ = ["AttentionBlockSizes", "attention", "attention_reference"]
+__all__ = ["AttentionBlockSizes", "Band", "attention", "attention_reference"]
