@@ -6,6 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from integrations.flax import RunConfig
 from orchestrator.cli import app
 from orchestrator.planner import Plan
 
@@ -67,7 +68,7 @@ def test_recipe_options_with_a_model_are_refused():
     assert result.exit_code == 2 and "--seq-len applies to recipes" in result.stderr
 
 
-def test_simulate_and_report_rebuild_a_model_plans_cost_model(tmp_path):
+def test_simulate_report_and_train_take_a_model_plan(tmp_path):
     plan_file = tmp_path / "plan.json"
     args = ["plan", "--model", MODEL, "--cluster", "a100x8", "--time-limit-s", "30", "--out", str(plan_file)]
     assert runner.invoke(app, args).exit_code == 0
@@ -76,13 +77,20 @@ def test_simulate_and_report_rebuild_a_model_plans_cost_model(tmp_path):
     assert "peak memory" in result.stdout  # from the cost model: the plan's own numbers have no memory timeline
     result = runner.invoke(app, ["report", str(plan_file), "--html", str(tmp_path / "report.html")])
     assert result.exit_code == 0 and (tmp_path / "report.html").stat().st_size > 0
+    result = runner.invoke(app, ["train", "--plan", str(plan_file), "--run-dir", str(tmp_path / "run"), "--steps", "1"])
+    assert result.exit_code == 0, result.output  # the plan names its model: train runs it on the plan's cluster
+    assert RunConfig.load(tmp_path / "run").metadata["model"] == MODEL
+    result = runner.invoke(
+        app, ["train", "--plan", str(plan_file), "--run-dir", str(tmp_path / "r2"), "--recipe", "gpt-tiny"]
+    )
+    assert result.exit_code == 2 and f"it was made for the model {MODEL!r}" in result.stderr
 
 
 def test_train_and_resume_a_user_model_like_jit(tmp_path):
     import jax
     import numpy as np
 
-    from integrations.flax import RunConfig, latest_checkpoint
+    from integrations.flax import latest_checkpoint
     from tests.orchestrator.user_model import mlp
 
     run_dir = tmp_path / "run"
