@@ -9,7 +9,8 @@ is rebuilt here as what the planner sees:
   memory), NVLink inside a host, one InfiniBand NIC per GPU between hosts (:data:`LINKS`);
 * the published configuration: PP stages of equal block counts (the embedding with the first,
   the head with the last, as Megatron-LM places them), each on TP·DP devices of one type, with
-  M = B / (DP · microbatch) microbatches and the run's recompute and ZeRO settings.
+  M = B / (DP · microbatch) microbatches and the run's recompute, ZeRO, sequence-parallel and
+  parameter-gather overlap settings.
 
 The measured time per iteration is the published one, or the published TFLOP/s per GPU turned
 into seconds by the source's own FLOP count (``data/README.md``). The run is then priced by the
@@ -215,6 +216,7 @@ def price(run: PublishedRun, model=None) -> dict:
         zero=bool(p.get("zero")),
         sequence_parallel=bool(p.get("sequence_parallel")),
         selective_recompute=p["recompute"] == "selective",
+        overlap_param_gather=bool(p.get("overlap_param_gather")),
     )
     ev = priced.evaluation
     return {"priced_s": ev.iteration_s, "fits": ev.feasible, "microbatches": M, "breakdown": dict(ev.breakdown)}

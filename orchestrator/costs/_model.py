@@ -11,6 +11,7 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
     DP gradient sync  = AR(G, p)  or  RS(G, p) + AG(P, p)   with G = local gradient bytes, one per
                         contribution (a tied parameter read by two layers counts in both; a table read at
                         batch-independent rows only those rows, see ``_gradients``), P = parameters
+                        (in the dtype the forward casts them to under ``weights_once``)
     parameters        = Σ_params bytes · (1/t if TP-sharded);   gradients the same
     optimizer state   = parameters · (optimizer bytes / parameter bytes) · (1/p under ZeRO)
     activations       = bytes live at the forward→backward boundary, per in-flight microbatch
@@ -52,7 +53,7 @@ from orchestrator.costs._sharding import (
     tensor_parallel_axes,
     tensor_parallel_traits,
 )
-from orchestrator.graph import OpGraph
+from orchestrator.graph import OpGraph, dtype_itemsize
 
 DataParallelSync = Literal["all_reduce", "reduce_scatter"]
 
@@ -74,6 +75,11 @@ class ParallelConfig:
     ``selective_recompute``: the backward pass rebuilds the layer's core attention (scores, mask,
     softmax, product with V; ``_recompute``) instead of keeping it (Korthikanti et al., 2022, §4);
     ``recompute`` (the whole forward) takes precedence.
+
+    ``overlap_param_gather``: under ZeRO (or a reduce-scatter sync), each layer's parameter
+    all-gather runs while the next step's first microbatch computes the layers before it
+    (Megatron-Core's ``--overlap-param-gather``): only the part longer than the layer's own
+    forward is exposed.
     """
 
     tp: int = 1
@@ -85,6 +91,7 @@ class ParallelConfig:
     accumulate_gradients: bool = False
     sequence_parallel: bool = False
     selective_recompute: bool = False
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "microbatch_size"):
@@ -150,7 +157,8 @@ class CostModel:
         float32 weights to the bf16 compute dtype, transposing a tied table) once per step, in
         ``optimizer_s``, as Megatron-LM runs it (its mixed-precision optimizer refreshes a bf16 copy
         of the weights after each update) and as XLA runs a gradient-accumulation loop (it hoists
-        loop-invariant casts out of the loop). False (the default): once per microbatch, as the
+        loop-invariant casts out of the loop). The ZeRO parameter all-gather then moves that
+        compute-dtype copy, as Megatron-LM's distributed optimizer does. False (the default): once per microbatch, as the
         per-microbatch stage programs of ``integrations.flax.Pipeline`` run it. A measured layer's
         forward and backward keep their measured times either way.
     """
@@ -341,6 +349,30 @@ class CostModel:
     def _local_fraction(self, path: str, tp: int) -> float:
         return 1 / tp if self.traits_for(tp).param_roles[path] in ("column", "row") else 1.0
 
+    def _gathered_param_bytes(self, index: int, tp: int) -> float:
+        """Per-device bytes of layer ``index``'s parameters a ZeRO all-gather moves: as stored, or
+        with ``weights_once`` in the dtype the forward casts them to."""
+        if not self.weights_once:
+            return self.local_param_bytes(index, tp)
+        itemsize = self._memo(self._graph_memo, "compute_itemsize", self._compute_itemsizes)
+        return sum(
+            self.graph.params[path].size
+            * itemsize.get(path, dtype_itemsize(self.graph.params[path].dtype))
+            * self._local_fraction(path, tp)
+            for path in self.layers[index].params
+        )
+
+    def _compute_itemsizes(self) -> dict[str, int]:
+        """Bytes per element of each parameter the forward casts to a narrower dtype."""
+        out: dict[str, int] = {}
+        for op in self.graph.ops():
+            if op.phase == "forward" and op.primitive == "convert_element_type" and len(op.param_reads) == 1:
+                (path,) = op.param_reads
+                size = dtype_itemsize(op.outputs[0].dtype)
+                if path in self.graph.params and size < dtype_itemsize(self.graph.params[path].dtype):
+                    out[path] = min(size, out.get(path, size))
+        return out
+
     def _local_bytes(self, paths, tp: int) -> float:
         return sum(self.graph.params[path].nbytes * self._local_fraction(path, tp) for path in paths)
 
@@ -487,9 +519,10 @@ class CostModel:
         if config.dp_sync == "all_reduce" and not config.zero:
             dp_sync = coll.all_reduce_s(gradients, config.dp, dp_link)
         else:
-            dp_sync = coll.reduce_scatter_s(gradients, config.dp, dp_link) + coll.all_gather_s(
-                params, config.dp, dp_link
-            )
+            gather = coll.all_gather_s(self._gathered_param_bytes(index, t), config.dp, dp_link)
+            if config.overlap_param_gather:
+                gather = max(0.0, gather - forward)
+            dp_sync = coll.reduce_scatter_s(gradients, config.dp, dp_link) + gather
         kept, transient = self._memory(index, t, m, sp, selective)
         layer = self.layers[index]
         if config.recompute:

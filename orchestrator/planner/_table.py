@@ -58,12 +58,14 @@ class CostTable:
         links: dict[tuple[str, str], Link] | None = None,
         sequence_parallel: bool = False,
         selective_recompute: bool = False,
+        overlap_param_gather: bool = False,
     ):
         """``links``: the slowest link between two types (``pair_links``), needed for mixed groups;
         ``sequence_parallel``: every group with TP prices it (``ParallelConfig.sequence_parallel``);
-        ``selective_recompute``: every group prices it (``ParallelConfig.selective_recompute``)."""
+        ``selective_recompute``, ``overlap_param_gather``: every group prices them (``ParallelConfig``)."""
         self.model, self.infos, self.global_batch, self.zero = model, infos, global_batch, zero
         self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
+        self.overlap_param_gather = overlap_param_gather
         self.links = links or {}
         self._entries: dict = {}
         self._shares: dict = {}
@@ -192,6 +194,7 @@ class CostTable:
             zero=self.zero and group.dp > 1,
             sequence_parallel=self.sequence_parallel and group.tp > 1,
             selective_recompute=self.selective_recompute,
+            overlap_param_gather=self.overlap_param_gather,
         )
         cost = self.model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link)
         tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)

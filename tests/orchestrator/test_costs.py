@@ -587,3 +587,38 @@ def test_selective_recompute_rebuilds_the_core_attention_only(dtype):
         1, "a100", ParallelConfig(tp=2, microbatch_size=8, recompute=True, selective_recompute=True)
     )
     assert both == full
+
+
+def test_an_overlapped_parameter_gather_exposes_only_what_outlasts_the_forward():
+    """Under ZeRO the sync is a reduce-scatter of gradients and an all-gather of parameters; with
+    the gather overlapped with the next step's forward, only its excess over the layer's forward
+    stays on the step's tail."""
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    cluster = load_cluster("a100x8")
+    model = CostModel(graph, coarsen(graph), cluster, batch_size=8, param_axes=recipe.param_axes())
+    slow = Link(bandwidth_bytes_per_s=1e6, latency_s=1e-5)  # a gather longer than the forward
+    for link in (slow, model.default_link("a100")):
+        plain = model.layer_cost(1, "a100", ParallelConfig(dp=4, microbatch_size=2, zero=True), dp_link=link)
+        overlapped = model.layer_cost(
+            1, "a100", ParallelConfig(dp=4, microbatch_size=2, zero=True, overlap_param_gather=True), dp_link=link
+        )
+        gather = all_gather_s(plain.param_bytes, 4, link)
+        assert overlapped.dp_sync_s == pytest.approx(plain.dp_sync_s - min(gather, plain.forward_s))
+        assert overlapped.forward_s == plain.forward_s and overlapped.backward_s == plain.backward_s
+
+
+def test_with_weights_once_a_zero_gather_moves_the_compute_dtype_copy():
+    """Megatron's distributed optimizer all-gathers the refreshed bf16 weights, not the float32
+    master shards: with ``weights_once`` the gather moves 2 bytes per bf16-cast parameter."""
+    config = ParallelConfig(dp=4, microbatch_size=2, zero=True)
+    for weights_once in (False, True):
+        model, graph = _bf16_tiny_model(weights_once=weights_once)
+        link = model.default_link("a100")
+        cost = model.layer_cost(1, "a100", config, dp_link=link)
+        params = model.layers[1].params
+        cast = {p for p in params if "/ln_" not in p}  # the LayerNorms compute in float32
+        gathered = sum(graph.params[p].nbytes // (2 if weights_once and p in cast else 1) for p in params)
+        synced = model.dp_sync_bytes(1, 1, accumulate_gradients=True)
+        expected = reduce_scatter_s(synced, 4, link) + all_gather_s(gathered, 4, link)
+        assert cost.dp_sync_s == pytest.approx(expected)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from orchestrator.costs import CostModel
 from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._space import search_space
 from orchestrator.planner.baselines._sweep import BaselinePlan, Sweep
 
 
@@ -20,10 +21,13 @@ def fixed(
     zero: bool = False,
     sequence_parallel: bool = False,
     selective_recompute: bool = False,
+    overlap_param_gather: bool = False,
     schedule: str = "1f1b",
 ) -> BaselinePlan:
     """``stages`` (layer indices per pipeline stage), each on ``tp · dp`` devices of ``device_type``,
-    at ``microbatches`` microbatches, priced by the planner's closed form.
+    at ``microbatches`` microbatches, priced by the planner's closed form. ``zero``,
+    ``sequence_parallel``, ``selective_recompute`` and ``overlap_param_gather`` are the pricing
+    options of :class:`~orchestrator.costs.ParallelConfig`, applied to every stage.
 
     The evaluation says whether it fits (``evaluation.feasible``); its time is priced either way.
     """
@@ -32,14 +36,16 @@ def fixed(
             f"global batch {global_batch} does not split into {microbatches} microbatches of a multiple of dp={dp}"
         )
     group = GroupConfig(device_type=device_type, size=tp * dp, tp=tp, recompute=recompute)
-    sweep = Sweep(
+    space = search_space(
         model,
-        global_batch=global_batch,
-        schedule=schedule,
+        global_batch,
+        recompute=recompute,
         zero=zero,
+        mixed=False,
         sequence_parallel=sequence_parallel,
         selective_recompute=selective_recompute,
-        mixed_stages=False,
+        overlap_param_gather=overlap_param_gather,
     )
+    sweep = Sweep(model, global_batch=global_batch, schedule=schedule, space=space)
     groups = [group] * len(stages)
     return BaselinePlan("fixed", stages, groups, microbatches, sweep.evaluate(stages, groups, microbatches))

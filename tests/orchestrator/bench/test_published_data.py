@@ -51,6 +51,7 @@ PARALLEL_KEYS = {
     "recompute",
     "zero",
     "fsdp",
+    "overlap_param_gather",
 }
 MEASURED_KEYS = {"tflops_per_gpu", "seconds_per_iteration", "tokens_per_second_per_gpu", "mfu"}
 
@@ -62,6 +63,7 @@ ALLOWED = {
     ("cluster", "gpu"): {"a100-40gb", "a100-80gb", "h100-sxm-80gb"},
     ("parallel", "recompute"): {"none", "selective", "full", None},
     ("parallel", "zero"): {0, 1, 3, None},
+    ("parallel", "overlap_param_gather"): {True, False, None},
 }
 PRECISIONS = {"fp16", "bf16", "fp8", None}
 CONVENTIONS = {"megatron-sc21", "megatron-model", "palm-mfu"}
