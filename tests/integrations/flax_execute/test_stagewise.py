@@ -82,3 +82,19 @@ def test_a_global_norm_clip_is_planned_on_one_stage_and_trains_like_jit():
         ref_losses.append(float(metrics["loss"]))
         losses.append(float(run.step(batch)["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_sgd_with_momentum_trains_under_a_pipeline_like_jit():
+    state = state_with(optax.sgd(0.1, momentum=0.9))
+    x = jax.random.normal(jax.random.key(1), (32, 8))
+    batch = {"x": x, "y": (jnp.arange(32) % 4).astype(jnp.int32)}
+    plan = check_plan("2 stages (3+1) x 4 mb", global_batch=32)
+    run = orchestrate(state, train_step, batch=batch, plan=plan, profile=False)
+    reference, step = state, jax.jit(train_step)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        reference, metrics = step(reference, batch)
+        ref_losses.append(float(metrics["loss"]))
+        losses.append(float(run.step(batch)["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
