@@ -126,6 +126,9 @@ class Decision:
 
     ``replaced`` lists, for a rewrite, each equation of the written form that no longer runs
     (``"exp f32[2,2048,1536,16]"``), in program order: exactly what the kernel stands in for.
+    ``fused`` lists the equations around it that still run, but inside the kernel's region (for the
+    selective scan: one time chunk at a time in its loop) and recomputed in the backward pass
+    instead of kept (``"dot_general f32[2,2048,80]"``, Mamba's x_proj).
     """
 
     rewrite: bool
@@ -138,6 +141,7 @@ class Decision:
     time_s_written: float = 0.0
     time_s_rewritten: float = 0.0
     replaced: tuple[str, ...] = ()  # filled by the rewrite: the equations the kernel takes the place of
+    fused: tuple[str, ...] = ()  # filled by the rewrite: the equations that run inside the kernel's region
 
 
 def _pow2_fit(limit: int, divides: tuple[int, ...], fits) -> int | None:

@@ -7,7 +7,7 @@ blocking in plain XLA, compiled everywhere) and ``"reference"``.
 
 from conductor.kernels._common import IMPLEMENTATIONS, Implementation, divisible_block
 from conductor.kernels.attention import AttentionBlockSizes, attention, attention_reference
-from conductor.kernels.scan import ScanBlockSizes, selective_scan, selective_scan_reference
+from conductor.kernels.scan import ScanBlockSizes, selective_scan, selective_scan_chunk, selective_scan_reference
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -18,5 +18,6 @@ __all__ = [
     "attention_reference",
     "divisible_block",
     "selective_scan",
+    "selective_scan_chunk",
     "selective_scan_reference",
 ]

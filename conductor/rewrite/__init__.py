@@ -21,7 +21,7 @@ import numpy as np
 from conductor.decide import Decision, Policy, decide
 from conductor.jaxpr import evaluate, flatten, replaced_by
 from conductor.match import Match, find
-from conductor.rewrite._substitute import substitution
+from conductor.rewrite._substitute import kernel_substitution, substitution
 
 
 class ConductorWarning(UserWarning):
@@ -176,10 +176,18 @@ def _with_replaced(match: Match, decision: Decision) -> Decision:
         return decision
     eqns = match.level.eqns
     removed = replaced_by(match.level, substitution(match, decision))
-    described = tuple(
-        f"{eqns[i].primitive.name} {' '.join(v.aval.str_short() for v in eqns[i].outvars)}" for i in removed
+    by_kernel = set(replaced_by(match.level, kernel_substitution(match, decision)))
+
+    def described(indices):
+        return tuple(
+            f"{eqns[i].primitive.name} {' '.join(v.aval.str_short() for v in eqns[i].outvars)}" for i in indices
+        )
+
+    return dataclasses.replace(
+        decision,
+        replaced=described(i for i in removed if i in by_kernel),
+        fused=described(i for i in removed if i not in by_kernel),
     )
-    return dataclasses.replace(decision, replaced=described)
 
 
 def inspect(fn: Callable, *args, policy: Policy | None = None, **kwargs) -> list[tuple[Match, Decision]]:

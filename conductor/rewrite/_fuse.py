@@ -1,29 +1,34 @@
-"""Fuse a kernel with the elementwise work around it, as a hand-written fused kernel does.
+"""Fuse a kernel with the work around it, as a hand-written fused kernel does.
 
 Mamba's CUDA kernel takes Δ before its softplus, x before the Δ·x product, and applies the D skip and
-the SiLU(z) gate itself; its backward recomputes all of it from those inputs and keeps only the
-states at chunk boundaries. The same effect in JAX: the *island* of cheap equations (elementwise,
-broadcasts, slices, casts) around the kernel's region runs under ``jax.checkpoint`` with a policy
-that keeps only what the kernel names (its chunk-boundary states and its output), so the
-backward pass recomputes the island from its inputs instead of keeping every intermediate of
-size (B, T, D).
+the SiLU(z) gate itself; its backward recomputes all of it (and the convolution before it) from
+those inputs and keeps only the states at chunk boundaries. The same effect in JAX: the *island*
+of cheap equations (elementwise, broadcasts, slices, pads, casts) and low-rank projections around
+the kernel's region is recomputed in the backward pass instead of keeping every intermediate of
+size (B, T, D). Where every equation of the island is local in time it runs one chunk at a time
+inside the scan's loop over chunks (:mod:`conductor.rewrite._chunk`), the form that holds on every
+XLA backend; otherwise it runs whole under ``jax.checkpoint`` with a policy that keeps only what the
+kernel names (its chunk-boundary states and its output), which XLA's CPU pipeline does not honour.
 
-Only kernels that name their residuals (``checkpoint_name``) take part: the checkpoint policy can
-keep a named value but not the residuals inside a ``custom_vjp``, so around one the backward would
-run the kernel's forward again.
+Only the XLA kernel takes part: it has the loop to join and names its residuals
+(``checkpoint_name``); the checkpoint policy cannot keep the residuals inside a ``custom_vjp``, so
+around the Pallas kernel the backward would run its forward again.
 
-The island grows backward from the kernel's inputs through cheap equations whose every output is
-used only inside it, and forward from the kernel's outputs through cheap equations whose other
-inputs do not themselves depend on the kernel (so the island stays one region that can be
-evaluated at a single point of the program).
+The island grows backward from the kernel's inputs through cheap equations and low-rank
+projections whose every output is used only inside it, and forward from the kernel's outputs
+through cheap equations whose other inputs do not themselves depend on the kernel (so the island
+stays one region that can be evaluated at a single point of the program).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from jax.extend import core as jcore
 
 from conductor.jaxpr import Substitution, evaluate, replaced_by
+from conductor.rewrite._chunk import Unsupported, chunked_island
 
 SAVED_NAMES = ("conductor_scan_state", "conductor_scan_out")
 
@@ -45,8 +50,21 @@ def _cheap(eqn) -> bool:
     return name in _CHEAP and not eqn.effects
 
 
-def island(jaxpr: jcore.Jaxpr, core: Substitution) -> tuple[set[int], list, list] | None:
-    """(equations, inputs, outputs) of the island around ``core``, or None if it adds nothing."""
+def _low_rank(eqn, max_rank: int) -> bool:
+    """A ``dot_general`` whose contraction or output features are at most ``max_rank`` wide."""
+    if eqn.primitive.name != "dot_general" or not eqn.outvars[0].aval.shape:
+        return False
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    width = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
+    return min(width, eqn.outvars[0].aval.shape[-1]) <= max_rank
+
+
+def island(jaxpr: jcore.Jaxpr, core: Substitution, max_rank: int = 0) -> tuple[set[int], list, list] | None:
+    """(equations, inputs, outputs) of the island around ``core``, or None if it adds nothing.
+
+    Besides cheap equations, the island takes in a low-rank projection that feeds it (a
+    ``dot_general`` whose contraction or output features are at most ``max_rank`` wide).
+    """
     eqns = jaxpr.eqns
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     users: dict = {}
@@ -73,7 +91,12 @@ def island(jaxpr: jcore.Jaxpr, core: Substitution) -> tuple[set[int], list, list
         grew = False
         for v in _inputs(eqns, inside):  # backward
             i = producer.get(v)
-            if i is not None and i not in inside and _cheap(eqns[i]) and used_only_inside(i):
+            if (
+                i is not None
+                and i not in inside
+                and (_cheap(eqns[i]) or _low_rank(eqns[i], max_rank))
+                and used_only_inside(i)
+            ):
                 inside.add(i)
                 grew = True
         for v in _outputs(eqns, inside, users, level_outs):  # forward
@@ -113,13 +136,37 @@ def _outputs(eqns, inside, users, level_outs) -> list:
     ]
 
 
-def fused(jaxpr: jcore.Jaxpr, core: Substitution) -> Substitution:
-    """``core`` grown over its island and run under ``jax.checkpoint`` (``core`` itself if no island)."""
-    found = island(jaxpr, core)
+def fused(jaxpr: jcore.Jaxpr, core: Substitution, *, max_rank: int = 0, per_chunk: dict | None = None) -> Substitution:
+    """``core`` grown over its island (``core`` itself if no island).
+
+    With ``per_chunk`` (``chunk_core``, ``seq``, ``chunk``: see :func:`chunked_island`) the island runs
+    one time chunk at a time inside the scan's loop where every equation of it is local in time;
+    otherwise it runs whole under ``jax.checkpoint``.
+    """
+    found = island(jaxpr, core, max_rank)
     if found is None or jaxpr.debug_info is None:
         return core
     inside, inputs, outputs = found
     order = sorted(inside)
+    if per_chunk is not None:
+        try:
+            fn = chunked_island(
+                [jaxpr.eqns[i] for i in order],
+                inputs,
+                outputs,
+                jaxpr.eqns[core.anchor],
+                core.inputs,
+                core.outvars,
+                **per_chunk,
+            )
+            # traced once on abstract inputs: an equation whose parameters do not carry over to a
+            # chunk fails here (a shape error), and the island then runs whole
+            got = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs))
+        except (Unsupported, TypeError, ValueError):
+            pass
+        else:
+            if [(x.shape, x.dtype) for x in got] == [(v.aval.shape, v.aval.dtype) for v in outputs]:
+                return Substitution(anchor=order[-1], inputs=tuple(inputs), outvars=tuple(outputs), fn=fn)
     info = jaxpr.debug_info._replace(arg_names=("",) * len(inputs), result_paths=("",) * len(outputs))
     body = jcore.Jaxpr([], inputs, outputs, [jaxpr.eqns[i] for i in order], debug_info=info)
     inner = Substitution(anchor=order.index(core.anchor), inputs=core.inputs, outvars=core.outvars, fn=core.fn)

@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from conductor.decide import Decision
 from conductor.jaxpr import Substitution
-from conductor.kernels import attention, selective_scan
+from conductor.kernels import attention, selective_scan, selective_scan_chunk
 from conductor.match import Match
 from conductor.rewrite._fuse import fused
 
@@ -22,6 +22,11 @@ def substitution(match: Match, decision: Decision) -> Substitution:
     if match.pattern == "linear_recurrence":
         return _recurrence(match)
     return _scan(match, decision)
+
+
+def kernel_substitution(match: Match, decision: Decision) -> Substitution:
+    """The kernel alone, without the equations :func:`substitution` fuses around it (what it stands in for)."""
+    return _scan_core(match, decision) if match.pattern == "selective_scan" else substitution(match, decision)
 
 
 def _attention(match: Match, decision: Decision) -> Substitution:
@@ -66,7 +71,7 @@ def _attention(match: Match, decision: Decision) -> Substitution:
     return Substitution(anchor=match.anchor, inputs=(r["q"], r["k"], r["v"]), outvars=(out_var,), fn=fn)
 
 
-def _scan(match: Match, decision: Decision) -> Substitution:
+def _scan_core(match: Match, decision: Decision) -> Substitution:
     sel = match.region["selective"]
     ys = sel["ys"]
 
@@ -78,10 +83,20 @@ def _scan(match: Match, decision: Decision) -> Substitution:
         return [checkpoint_name(jnp.swapaxes(y, 0, 1).astype(ys.aval.dtype), "conductor_scan_out")]
 
     inputs = (sel["dt"], sel["a"], sel["v"], sel["b"], sel["c"])
-    core = Substitution(anchor=match.anchor, inputs=inputs, outvars=(ys,), fn=fn)
-    # only the XLA kernel names its residuals for the island's checkpoint policy; around the Pallas
-    # kernel's custom VJP a checkpoint would run its forward kernel again in the backward
-    return fused(match.level, core) if decision.implementation == "xla_chunked" else core
+    return Substitution(anchor=match.anchor, inputs=inputs, outvars=(ys,), fn=fn)
+
+
+def _scan(match: Match, decision: Decision) -> Substitution:
+    core = _scan_core(match, decision)
+    # only the XLA kernel runs its chunks as a loop the island can join; around the Pallas kernel's
+    # custom VJP a checkpoint would run its forward kernel again in the backward
+    if decision.implementation != "xla_chunked":
+        return core
+    per_chunk = {"chunk_core": selective_scan_chunk, "seq": match.shapes["seq"], "chunk": decision.block_sizes.chunk}
+    # a low-rank projection feeding the scan (Mamba's x_proj to Δ, B, C, of width D/32 + 2N; dt_proj
+    # from rank D/32) is recomputed with the island: at rank ≤ D/8 that costs at most an eighth of
+    # the block's input projection (d_model = D/2 to 2D); the full-width projections stay outside
+    return fused(match.level, core, max_rank=match.shapes["d_inner"] // 8, per_chunk=per_chunk)
 
 
 def _recurrence(match: Match) -> Substitution:

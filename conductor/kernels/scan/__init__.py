@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from conductor.kernels._common import Implementation, check_implementation, interpret_default
 from conductor.kernels.scan._pallas import selective_scan_pallas
 from conductor.kernels.scan._reference import selective_scan_reference
-from conductor.kernels.scan._xla import selective_scan_xla_chunked
+from conductor.kernels.scan._xla import selective_scan_chunk, selective_scan_xla_chunked
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,4 +72,4 @@ def selective_scan(
     )
 
 
-__all__ = ["ScanBlockSizes", "selective_scan", "selective_scan_reference"]
+__all__ = ["ScanBlockSizes", "selective_scan", "selective_scan_chunk", "selective_scan_reference"]

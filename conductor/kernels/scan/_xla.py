@@ -26,6 +26,11 @@ def _step(a):
     return step
 
 
+def selective_scan_chunk(h, dt, a, v, b, c):
+    """One chunk of the scan from state ``h`` (B, D, N): dt, v (B, L, D), b, c (B, L, N) → (h, y (L, B, D))."""
+    return lax.scan(_step(a), h, tuple(jnp.swapaxes(x, 0, 1) for x in (dt, v, b, c)))
+
+
 def selective_scan_xla_chunked(dt, a, v, b, c, *, chunk: int):
     """Fused, chunk-checkpointed selective scan; shapes as :func:`selective_scan_reference`."""
     batch, seq, d = dt.shape
