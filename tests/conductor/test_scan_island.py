@@ -10,7 +10,9 @@ step. ``orchestrator bench conductor`` measures the full recipe.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import conductor
 from recipes._registry import get_recipe
@@ -69,3 +71,56 @@ def test_loss_and_gradients_equal_the_written_form():
     np.testing.assert_allclose(float(fast_loss), float(loss), rtol=1e-5)
     for fast, plain in zip(jax.tree.leaves(fast_grads), jax.tree.leaves(grads)):
         assert np.max(np.abs(fast - plain)) <= 1e-5 * np.max(np.abs(plain))
+
+
+def _mixer(shift):
+    """Mamba's mixer from in_proj's output on: convolution, SiLU, x_proj, dt_proj, softplus, scan, skip, gate."""
+    from recipes.mamba import selective_scan
+
+    def mixer(xz, conv_w, w_x, w_dt, b_dt, a_log, d_skip):
+        x, z = jnp.split(xz, 2, axis=-1)
+        x = jax.nn.silu(shift(x, conv_w))
+        dt, b, c = jnp.split(x @ w_x, [2, 6], axis=-1)
+        delta = jax.nn.softplus(dt @ w_dt + b_dt)
+        delta_a = jnp.exp(delta[..., None] * -jnp.exp(a_log))
+        delta_bx = (delta * x)[..., None] * b[:, :, None, :]
+        y = selective_scan(delta_a, delta_bx, c)
+        return jnp.sum(((y + x * d_skip) * jax.nn.silu(z)) ** 2)
+
+    return mixer
+
+
+def _causal_conv(x, w):  # the recipe's spelling: shifted slices of a padded input
+    seq = x.shape[1]
+    padded = jnp.pad(x, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
+    return sum(padded[:, k : k + seq] * w[k] for k in range(w.shape[0]))
+
+
+def _shift_by_concatenate(x, w):  # the same product, shifted by a concatenation along time
+    return x * w[-1] + jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1) * w[-2]
+
+
+@pytest.mark.parametrize(("shift", "per_chunk"), [(_causal_conv, True), (_shift_by_concatenate, False)])
+def test_the_island_runs_per_chunk_where_it_is_local_in_time_and_whole_otherwise(shift, per_chunk):
+    b, t, di, n = 2, 64, 128, 4  # 8 chunks of 8 steps
+    ks = jax.random.split(jax.random.key(0), 7)
+    args = (
+        jax.random.normal(ks[0], (b, t, 2 * di)),
+        0.5 * jax.random.normal(ks[1], (3, di)),
+        0.1 * jax.random.normal(ks[2], (di, 2 + 2 * n)),
+        0.5 * jax.random.normal(ks[3], (2, di)),
+        0.1 * jax.random.normal(ks[4], (di,)),
+        jnp.log(jnp.broadcast_to(jnp.arange(1.0, n + 1), (di, n))),
+        jax.random.normal(ks[6], (di,)),
+    )
+    fn = _mixer(shift)
+    fast = conductor.optimize(fn, policy=conductor.Policy(selective_scan="force", implementation="xla_chunked"))
+    [(_, decision)] = fast.inspect(*args)
+    assert decision.rewrite and any(e.startswith("dot_general") for e in decision.fused)
+    windows = f"f32[8,{b},10,{2 * di}]"  # in_proj's output in chunks of 8 rows and the 2-row halo
+    assert (windows in str(jax.make_jaxpr(fast)(*args))) == per_chunk
+    value, grads = jax.value_and_grad(fn, argnums=range(7))(*args)
+    fast_value, fast_grads = jax.value_and_grad(fast, argnums=range(7))(*args)
+    np.testing.assert_allclose(float(fast_value), float(value), rtol=1e-5)
+    for got, want in zip(fast_grads, grads):
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
