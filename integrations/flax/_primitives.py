@@ -56,7 +56,7 @@ DATA_MOVEMENT = frozenset(
     """reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
     dynamic_update_slice concatenate pad gather rev copy copy_p device_put iota split
     sharding_constraint stop_gradient select_and_gather_add scatter optimization_barrier
-    mesh_cast reshard""".split()
+    mesh_cast reshard stack unstack""".split()
 )
 SCATTER_COMBINE = frozenset("scatter-add scatter_add scatter_mul scatter_min scatter_max".split())
 COLLECTIVE = frozenset(

@@ -17,9 +17,10 @@ into seconds by the source's own FLOP count (``data/README.md``). The run is the
 planner's closed form (:func:`orchestrator.planner.evaluate_plan`) and, unless ``plan=False``,
 planned from scratch on the same cluster.
 
-Runs whose architecture the GPT recipe does not express (a gated MLP, RMSNorm, rotary positions,
-grouped-query attention) or that need context parallelism are reported as not priced, with the
-reason.
+A run with a gated MLP is the recipe's Llama architecture (RMSNorm, rotary positions,
+grouped-query attention, its own MLP width; ``GPTConfig(llama=True)``). Runs the recipe does not
+express (one of those features without the others) or that need context parallelism are reported
+as not priced, with the reason.
 """
 
 from __future__ import annotations
@@ -106,17 +107,17 @@ class PublishedRun:
         return self.flops_per_iteration() / (self.cluster["gpus"] * self.measured["tflops_per_gpu"] * 1e12)
 
     def unsupported(self) -> str | None:
-        """Why the GPT recipe cannot express this run, or None."""
+        """Why the GPT recipe (or its Llama architecture) cannot express this run, or None."""
         m, p = self.model, self.parallel
-        # a field the source leaves unpublished (null) is taken as the recipe's
-        reasons = [
-            f"{key} {m[key]}"
-            for key, ours in (("mlp", "gelu"), ("norm", "layernorm"), ("position", "learned"))
-            if m[key] not in (None, ours)
-        ]
-        if m["kv_heads"] != m["heads"]:
-            reasons.append(f"grouped-query attention ({m['kv_heads']} of {m['heads']} heads)")
-        if m["ffn_hidden"] != 4 * m["hidden"]:
+        # a field the source leaves unpublished (null) is taken as the architecture's
+        llama = m["mlp"] == "swiglu"
+        expected = (
+            (("norm", "rmsnorm"), ("position", "rope")) if llama else (("norm", "layernorm"), ("position", "learned"))
+        )
+        reasons = [f"{key} {m[key]} with mlp {m['mlp']}" for key, ours in expected if m[key] not in (None, ours)]
+        if not llama and m["kv_heads"] != m["heads"]:
+            reasons.append(f"grouped-query attention ({m['kv_heads']} of {m['heads']} heads) with mlp {m['mlp']}")
+        if not llama and m["ffn_hidden"] != 4 * m["hidden"]:
             reasons.append(f"ffn {m['ffn_hidden']} ≠ 4·hidden")
         if (p.get("cp") or 1) > 1:
             reasons.append(f"context parallelism {p['cp']}")
@@ -151,25 +152,40 @@ def run_cluster(run: PublishedRun):
     return parse_cluster(spec, source=run.id)
 
 
+def gpt_config(model: dict):
+    """The run's model as :class:`recipes.GPTConfig` in bf16: the Llama architecture where the
+    source names a gated MLP, RMSNorm and rotary positions."""
+    from recipes import GPTConfig
+
+    llama = model["mlp"] == "swiglu"
+    options = {"llama": True, "num_kv_heads": model["kv_heads"], "ffn_hidden": model["ffn_hidden"]} if llama else {}
+    return GPTConfig(
+        vocab_size=model["vocab"],
+        max_seq_len=model["seq_len"],
+        num_layers=model["layers"],
+        num_heads=model["heads"],
+        d_model=model["hidden"],
+        dtype="bfloat16",
+        **options,
+    )
+
+
 @functools.cache
-def _graph(layers: int, hidden: int, heads: int, vocab: int, seq: int, flash: bool):
+def _graph(config, flash: bool):
     """The GPT's train step captured at one sequence; with ``flash``, its attention rewritten by the
     conductor into the flash-attention kernels (whose declared cost the capture reads), as runs
     through Transformer Engine compute it."""
     import conductor
     from integrations.flax import capture
     from orchestrator.coarsen import coarsen
-    from recipes import GPTConfig, Recipe
+    from recipes import Recipe
 
-    config = GPTConfig(
-        vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads, d_model=hidden, dtype="bfloat16"
-    )
-    recipe = Recipe(name="published", config=config, batch_size=1, seq_len=seq)
+    recipe = Recipe(name="published", config=config, batch_size=1, seq_len=config.max_seq_len)
     step = recipe.train_step
     if flash:
         policy = conductor.Policy(attention="force", implementation="pallas", guard=False)
         step = conductor.optimize(step, policy=policy)
-    graph = capture(step, recipe.abstract_state(), recipe.batch_spec(1, seq))
+    graph = capture(step, recipe.abstract_state(), recipe.batch_spec(1, config.max_seq_len))
     return graph, coarsen(graph), recipe.param_axes()
 
 
@@ -179,7 +195,7 @@ def run_model(run: PublishedRun, efficiency=None):
 
     m = run.model
     flash = m.get("attention") == "flash"
-    graph, layers, axes = _graph(m["layers"], m["hidden"], m["heads"], m["vocab"], m["seq_len"], flash)
+    graph, layers, axes = _graph(gpt_config(m), flash)
     eff = {run.gpu_type: efficiency} if efficiency else None
     return CostModel(graph, layers, run_cluster(run), batch_size=1, param_axes=axes, efficiency=eff, weights_once=True)
 

@@ -23,7 +23,7 @@ def test_unknown_recipe_lists_the_known_ones():
         get_recipe("gpt-5")
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "mamba-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "mamba-tiny"])
 def test_tiny_recipe_learns_the_synthetic_task(name):
     recipe = get_recipe(name)
     state = recipe.create_state(jax.random.key(0), learning_rate=3e-3)
@@ -62,7 +62,7 @@ def test_gpt_refuses_too_long_sequences():
         state.apply_fn({"params": state.params}, jnp.zeros((1, 65), jnp.int32))
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "mamba-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "mamba-tiny"])
 def test_param_axes_are_the_logical_axes_integrations_reads(name):
     from integrations.flax import param_logical_axes
 
@@ -89,3 +89,43 @@ def test_a_recipe_run_refuses_bad_fields():
         RecipeRun(recipe="gpt-tiny", global_batch=0, seq_len=16)
     with pytest.raises(TypeError):
         RecipeRun.from_json({"recipe": "gpt-tiny", "global_batch": 4})
+
+
+def test_llama_presets_have_their_published_parameter_counts():
+    """Llama 3 8B and 405B (Dubey et al. 2024): 8.0B and 405.9B parameters with untied heads."""
+    assert get_recipe("llama3-8b").config.param_count() == 8_030_261_248
+    assert round(get_recipe("llama3-405b").config.param_count() / 1e9, 1) == 405.9
+
+
+def test_grouped_query_attention_equals_jax_attention_with_shared_kv_heads():
+    from recipes.gpt import grouped_causal_attention
+
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 16, 8, 4))
+    k, v = (jax.random.normal(key, (2, 16, 2, 4)) for key in (kk, kv))
+    expected = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(grouped_causal_attention(q, k, v), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_scores_depend_on_the_distance_between_positions_only():
+    """⟨rot(q, m), rot(k, n)⟩ is a function of m − n: the same q and k at every position give
+    scores constant along each diagonal; rotation keeps norms."""
+    from recipes.gpt import rotary
+
+    q = jnp.broadcast_to(jax.random.normal(jax.random.key(1), (8,)), (1, 12, 1, 8))
+    k = jnp.broadcast_to(jax.random.normal(jax.random.key(2), (8,)), (1, 12, 1, 8))
+    rq, rk = rotary(q, 10_000.0), rotary(k, 10_000.0)
+    scores = np.asarray(jnp.einsum("bqhd,bkhd->qk", rq, rk))
+    for offset in range(-11, 12):
+        diagonal = np.diagonal(scores, offset)
+        np.testing.assert_allclose(diagonal, diagonal[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+
+
+def test_gpt_options_of_the_llama_architecture_need_llama():
+    from recipes import GPTConfig
+
+    with pytest.raises(ValueError, match="llama=True"):
+        GPTConfig(vocab_size=8, max_seq_len=8, num_layers=1, num_heads=2, d_model=8, num_kv_heads=1)
+    with pytest.raises(ValueError, match="divisible by num_kv_heads"):
+        GPTConfig(vocab_size=8, max_seq_len=8, num_layers=1, num_heads=4, d_model=8, llama=True, num_kv_heads=3)
