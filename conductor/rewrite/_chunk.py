@@ -26,6 +26,14 @@ from jax import lax
 from jax.extend import core as jcore
 
 _CALLS = {"custom_jvp_call": "call_jaxpr", "pjit": "jaxpr", "jit": "jaxpr"}
+# row t of the output from row t of the inputs (slice and pad: from a shifted row, see ``windows``)
+_ROWWISE = frozenset(
+    """
+    add sub mul div neg exp exp2 log log1p expm1 logistic tanh max min abs sign sqrt rsqrt square
+    integer_pow pow select_n eq ne lt le gt ge and or not convert_element_type stop_gradient copy
+    slice pad custom_jvp_call pjit jit
+    """.split()
+)
 
 
 class Unsupported(Exception):
@@ -76,8 +84,8 @@ def _forward(eqn, tax) -> list:
         lfree = [d for d in range(ln) if d not in lc and d not in lb]
         rfree = [d for d in range(rn) if d not in rc and d not in rb]
         return [len(lb) + lfree.index(t)] if i == 0 else [len(lb) + len(lfree) + rfree.index(t)]
-    if name == "iota":
-        raise Unsupported("iota")
+    if name not in _ROWWISE:
+        raise Unsupported(f"{name} of a time-indexed value")
     for _, t2 in timed[1:]:
         if t2 != t:
             raise Unsupported(f"{name} of values with different time axes")
@@ -95,9 +103,8 @@ def _backward(eqn, out_tax: int) -> list:
             return [dims.index(out_tax)]
         return [None]
     if name == "reshape":
-        return [out_tax if _shape(ins[0])[: out_tax + 1] == _shape(out)[: out_tax + 1] else None] + [None] * (
-            len(ins) - 1
-        )
+        kept = _shape(ins[0])[: out_tax + 1] == _shape(out)[: out_tax + 1]
+        return [out_tax if kept else None] + [None] * (len(ins) - 1)
     if name == "squeeze":
         kept = [d for d in range(len(_shape(ins[0]))) if d not in p["dimensions"]]
         return [kept[out_tax]]
@@ -114,6 +121,8 @@ def _backward(eqn, out_tax: int) -> list:
         return [lfree[k], None] if k < len(lfree) else [None, rfree[k - len(lfree)]]
     if name == "concatenate":
         return [out_tax] * len(ins)
+    if name in ("slice", "pad"):  # the same axes, the time axis longer or shorter
+        return [out_tax] + [None] * (len(ins) - 1)
     return [out_tax if isinstance(x, jcore.Var) and _same_time(x, out_tax, out) else None for x in ins]
 
 
@@ -133,7 +142,7 @@ def time_axes(eqns, known: dict) -> dict:
                 if t is not None:
                     _settle(tax, o, t)
             timed_out = [tax[o] for o in eqn.outvars if o in tax]
-            if timed_out and eqn.primitive.name != "iota":
+            if timed_out and eqn.invars:
                 for x, t in zip(eqn.invars, _backward(eqn, timed_out[0])):
                     if t is not None and isinstance(x, jcore.Var):
                         _settle(tax, x, t)
@@ -325,7 +334,7 @@ def chunked_island(body_eqns, inputs, outputs, core_eqn, core_inputs, core_outva
         wins = [chunk_windows(by_var[v], tax[v], *need[v], chunk, n_chunks) for v in timed]
         consts = [by_var[v] for v in steady]
 
-        @jax.checkpoint
+        @jax.checkpoint  # the backward pass recomputes the chunk; the loop keeps that apart from the forward
         def body(h, step):
             c, ws = step
             env = dict(zip(timed, ws))
