@@ -11,7 +11,9 @@ Attention, B·H heads of T queries over S keys, head dim D, fp32:
     rewritten keeps O and the log-sum-exp, B·H·T·(D + 1)·4 bytes.
     Rewrite iff one head's score matrix T·S·4 > M (else it fits on chip: leave it).
     Blocks: the largest power of two b ≤ 512 dividing T and S with
-    (3·b·D + b² + b·D)·4 ≤ M/2 (Q tile, K and V tiles, score tile, accumulator; half for double buffering).
+    (3·b·D + b² + b·D)·4 ≤ M/2 (Q tile, K and V tiles, score tile, accumulator; half for double buffering),
+    and b ≤ the band's width (at least 64) for a sliding window, whose kernel skips tiles outside the band.
+    Rewritten flops count only the (query, key) pairs the mask keeps.
     Time (roofline) = max(flops / F, bytes / W); written moves the T·S scores 4 times,
     rewritten reads K, V once per query block.
 
@@ -35,6 +37,7 @@ from typing import Literal
 import jax
 
 from conductor.kernels import AttentionBlockSizes, Implementation, ScanBlockSizes, divisible_block
+from conductor.kernels.attention import Band
 from conductor.match import Match
 
 DeviceKind = Literal["cpu", "gpu", "tpu"]
@@ -159,7 +162,16 @@ def _attention(m: Match, p: DeviceProfile, choice: Choice, impl: Implementation)
     bh = batch * heads
     flops = 4 * bh * seq_q * seq_k * d
     written_bytes = 2 * bh * seq_q * seq_k * 4
-    block = _pow2_fit(max(seq_q, seq_k), (seq_q, seq_k), lambda b: (4 * b * d + b * b) * 4 <= p.onchip_bytes // 2)
+    mask = Band.of(
+        causal=m.details["causal"],
+        window=m.details.get("window"),
+        prefix=m.details.get("prefix", 0),
+        seq_q=seq_q,
+        seq_k=seq_k,
+    )
+    # a block wider than a sliding window's band computes tiles that are mostly masked
+    limit = max(seq_q, seq_k) if mask.width is None else max(64, 1 << (mask.width.bit_length() - 1))
+    block = _pow2_fit(limit, (seq_q, seq_k), lambda b: (4 * b * d + b * b) * 4 <= p.onchip_bytes // 2)
     rewritten_bytes = bh * seq_q * (d + 1) * 4
     traffic = bh * seq_k * d * 4 * 2 * (seq_q // block if block else 1) + 2 * bh * seq_q * d * 4
     estimates = dict(
@@ -169,7 +181,8 @@ def _attention(m: Match, p: DeviceProfile, choice: Choice, impl: Implementation)
             flops / p.peak_flops, (4 * written_bytes + 4 * bh * seq_q * d * 4) / p.memory_bandwidth_bytes_per_s
         ),
         time_s_rewritten=max(
-            flops * (0.5 if m.details["causal"] else 1) / p.peak_flops, traffic / p.memory_bandwidth_bytes_per_s
+            flops * mask.kept_pairs(seq_q, seq_k) / (seq_q * seq_k) / p.peak_flops,
+            traffic / p.memory_bandwidth_bytes_per_s,
         ),
     )
     if block is None:

@@ -1,7 +1,9 @@
 """Masks that are functions of positions only: the kernels' windows and prefixes, and their rewriting.
 
 Kernels: causal, sliding-window, banded and prefix masks against the materialised reference, forward
-and gradients, and the blocks each loop visits are exactly those the mask meets.
+and gradients, and the blocks each loop visits are exactly those the mask meets. Rewriting: such masks
+in several spellings are read into (kind, window, prefix) and rewritten exactly, with less memory;
+a mask from inputs is reported as positions passed in or as data.
 """
 
 import itertools
@@ -11,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conductor
 from conductor.kernels import AttentionBlockSizes, attention
 from conductor.kernels.attention._mask import band
-from orchestrator.bench._conductor import max_abs_diff
+from orchestrator.bench._conductor import max_abs_diff, temp_bytes
 
 BLOCKS = AttentionBlockSizes(block_q=16, block_k=16)
+FORCE = conductor.Policy(attention="force")
 MASKS = {
     "causal_window": dict(causal=True, window=8),
     "causal_window_wide": dict(causal=True, window=20),
@@ -86,3 +90,118 @@ def test_bad_window_or_prefix_names_the_problem():
         attention(q, k, v, causal=True, prefix=-2)
     with pytest.raises(ValueError, match="seq_q == seq_k"):
         attention(q[:, :16], k, v, window=4)
+
+
+# The written forms. Each builds its mask from positions only: iota, jnp.arange, tril/triu.
+SEQ, WINDOW = 1024, 64
+
+
+def _scores(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+
+
+def _attend(s, v):
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def window_arange(q, k, v):  # positions from jnp.arange, difference compared with the window
+    pos = jnp.arange(q.shape[1])
+    diff = pos[:, None] - pos[None, :]
+    return _attend(jnp.where((diff >= 0) & (diff < WINDOW), _scores(q, k), -jnp.inf), v)
+
+
+def window_tril(q, k, v):  # causal band as tril(ones, 0) − tril(ones, −window), i.e. tril ∧ triu
+    ones = jnp.ones((q.shape[1], q.shape[1]), bool)
+    keep = jnp.tril(ones) & jnp.triu(ones, -(WINDOW - 1))
+    return _attend(jnp.where(keep, _scores(q, k), -1e30), v)
+
+
+def window_iota(q, k, v):  # broadcasted iotas, an additive mask, flax's fill value, a (B, 1, T, T) mask
+    t = q.shape[1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 2)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 3)
+    keep = jnp.logical_and(cols <= rows, cols > rows - WINDOW)
+    return _attend(_scores(q, k) + jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min), v)
+
+
+def symmetric_band(q, k, v):  # |i − j| < w, no causality (an encoder's local attention)
+    pos = jnp.arange(q.shape[1])
+    return _attend(jnp.where(jnp.abs(pos[:, None] - pos[None, :]) < 8, _scores(q, k), -jnp.inf), v)
+
+
+def prefix_lm(q, k, v):  # bidirectional over the first 40 tokens, causal after
+    pos = jnp.arange(q.shape[1])
+    keep = (pos[None, :] <= pos[:, None]) | (pos[None, :] < 40)
+    return _attend(jnp.where(keep, _scores(q, k), -jnp.inf), v)
+
+
+def window_from_positions(q, k, v, positions):  # the band over positions the step takes as an input
+    diff = positions[:, None] - positions[None, :]
+    return _attend(jnp.where((diff >= 0) & (diff < WINDOW), _scores(q, k), -jnp.inf), v)
+
+
+def padded(q, k, v, keep):  # a padding mask from the batch: data, not positions
+    return _attend(jnp.where(keep[:, None, None, :], _scores(q, k), -jnp.inf), v)
+
+
+def _grads(fn, q, k, v, w):
+    return jax.grad(lambda *xs: jnp.sum(fn(*xs) * w), argnums=(0, 1, 2))(q, k, v)
+
+
+def test_sliding_window_is_rewritten_exactly_and_uses_less_memory():
+    q, k, v, w = _qkvw(seq=SEQ, heads=2, kv_heads=2, head_dim=16)
+    ((match, decision),) = conductor.inspect(window_arange, q, k, v)  # the default policy
+    assert match.rewritable and decision.rewrite
+    assert (match.details["kind"], match.details["window"], match.details["prefix"]) == ("sliding_window", WINDOW, 0)
+    fast = conductor.optimize(window_arange)
+    assert max_abs_diff(fast(q, k, v), window_arange(q, k, v)) <= 2e-6
+    assert max_abs_diff(jax.jit(lambda *xs: _grads(fast, *xs))(q, k, v, w), _grads(window_arange, q, k, v, w)) <= 1e-5
+    written = temp_bytes(lambda *xs: _grads(window_arange, *xs), q, k, v, w)
+    rewritten = temp_bytes(lambda *xs: _grads(fast, *xs), q, k, v, w)
+    assert rewritten < written
+
+
+@pytest.mark.parametrize(
+    ("fn", "kind", "window", "prefix"),
+    [
+        (window_tril, "sliding_window", WINDOW, 0),
+        (window_iota, "sliding_window", WINDOW, 0),
+        (symmetric_band, "band", 8, 0),
+        (prefix_lm, "prefix_lm", None, 40),
+    ],
+)
+def test_position_masks_in_every_spelling_are_read_and_rewritten(fn, kind, window, prefix):
+    q, k, v, w = _qkvw(seq=256, heads=2, kv_heads=2, head_dim=16)
+    ((match, decision),) = conductor.inspect(fn, q, k, v, policy=FORCE)
+    assert match.rewritable and decision.rewrite
+    assert (match.details["kind"], match.details["window"], match.details["prefix"]) == (kind, window, prefix)
+    fast = conductor.optimize(fn, policy=FORCE)
+    assert max_abs_diff(fast(q, k, v), fn(q, k, v)) <= 2e-6
+    assert max_abs_diff(jax.jit(lambda *xs: _grads(fast, *xs))(q, k, v, w), _grads(fn, q, k, v, w)) <= 1e-5
+
+
+def test_a_mask_from_inputs_says_whether_it_is_positions_or_data():
+    q, k, v, _ = _qkvw(seq=256, heads=2, kv_heads=2, head_dim=16)
+    ((match, decision),) = conductor.inspect(window_from_positions, q, k, v, jnp.arange(256), policy=FORCE)
+    assert not match.rewritable and not decision.rewrite and match.details["kind"] == "from_inputs"
+    assert decision.reason == (
+        f"mask computed from inputs: a sliding window (window {WINDOW}) over positions passed in as an input of "
+        "the step, not provably 0, 1, …; compute the positions in the step (jnp.arange) to have it rewritten"
+    )
+    ((match, decision),) = conductor.inspect(padded, q, k, v, jnp.ones((1, 256), bool), policy=FORCE)
+    assert not match.rewritable and not decision.rewrite
+    assert decision.reason == (
+        "mask computed from inputs: it depends on the data (e.g. a padding mask), which no kernel here takes"
+    )
+
+
+def test_a_mask_that_is_no_band_says_why():
+    def strided(q, k, v):  # every other key: a function of positions, but not of i − j in one interval
+        pos = jnp.arange(q.shape[1])
+        keep = (pos[None, :] <= pos[:, None]) & (pos[None, :] % 2 == 0)
+        return _attend(jnp.where(keep, _scores(q, k), -jnp.inf), v)
+
+    q, k, v, _ = _qkvw(seq=64, heads=2, kv_heads=2, head_dim=16)
+    ((match, decision),) = conductor.inspect(strided, q, k, v, policy=FORCE)
+    assert not match.rewritable and not decision.rewrite and match.details["kind"] == "unsupported"
+    assert decision.reason.startswith("mask is not causal, a window, a band or a prefix: ")

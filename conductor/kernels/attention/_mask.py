@@ -31,9 +31,19 @@ class Band:
     right: int | None = None
     prefix: int = 0
 
+    @classmethod
+    def of(cls, *, causal: bool, window=None, prefix: int = 0, seq_q: int, seq_k: int) -> Band:
+        """The band of :func:`conductor.kernels.attention`'s ``causal``/``window``/``prefix`` arguments."""
+        return band(causal=causal, window=window, prefix=prefix, seq_q=seq_q, seq_k=seq_k)
+
     @property
     def masked(self) -> bool:
         return self.left is not None or self.right is not None
+
+    @property
+    def width(self) -> int | None:
+        """Keys in one query's band (left + right + 1), None when a side is unbounded."""
+        return None if self.left is None or self.right is None else self.left + self.right + 1
 
     def keep(self, rows, cols):
         """Boolean (rows × cols) kept pairs, for broadcastable integer position arrays."""
