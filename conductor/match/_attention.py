@@ -446,7 +446,7 @@ def _describe_mask(mask: Band | None, seq_k: int) -> dict:
 
 
 def _input_mask_problem(step, labels, masks, q_labels, key, sizes) -> str:
-    """Why a mask computed from inputs is not rewritten: positions passed in, or data.
+    """Why a mask computed from inputs is not rewritten: positions passed in, a whole mask passed in, or data.
 
     The question asked is what the mask would be if the inputs it reads along the sequence were
     positions 0, 1, …: a band means a position-only mask whose positions the step takes as an input.
@@ -482,4 +482,9 @@ def _input_mask_problem(step, labels, masks, q_labels, key, sizes) -> str:
             "not provably 0, 1, …; compute the positions in the step (jnp.arange) to have it rewritten"
         )
     what = "mask" if kind == "input mask" else "bias"
+    if any(v.aval.ndim >= 2 and tuple(v.aval.shape[-2:]) == (n, n) for v in g.inputs_of(var)):
+        return (
+            f"{what} computed from inputs: a whole (T, S) {what} passed in (to the step, or to the scan body "
+            "it sits in) is not read; build it in the same body from positions (jnp.arange, jnp.tril)"
+        )
     return f"{what} computed from inputs: it depends on the data (e.g. a padding mask), which no kernel here takes"

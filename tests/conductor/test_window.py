@@ -205,3 +205,13 @@ def test_a_mask_that_is_no_band_says_why():
     ((match, decision),) = conductor.inspect(strided, q, k, v, policy=FORCE)
     assert not match.rewritable and not decision.rewrite and match.details["kind"] == "unsupported"
     assert decision.reason.startswith("mask is not causal, a window, a band or a prefix: ")
+
+
+def test_a_whole_mask_passed_in_is_reported_as_such():
+    def given_mask(q, k, v, keep):  # (T, S) keep-mask built by the caller
+        return _attend(jnp.where(keep, _scores(q, k), -jnp.inf), v)
+
+    q, k, v, _ = _qkvw(seq=64, heads=2, kv_heads=2, head_dim=16)
+    ((match, decision),) = conductor.inspect(given_mask, q, k, v, jnp.tril(jnp.ones((64, 64), bool)), policy=FORCE)
+    assert not match.rewritable and not decision.rewrite
+    assert decision.reason.startswith("mask computed from inputs: a whole (T, S) mask passed in")
