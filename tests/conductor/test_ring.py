@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from conductor.kernels import AttentionBlockSizes
-from conductor.kernels.ring import from_layout, ring_attention, to_layout
+from conductor.kernels.ring import context_parallel_attention_shard, from_layout, ring_attention, to_layout
 
 BLOCKS = AttentionBlockSizes(block_q=256, block_k=256)
 
@@ -32,11 +32,11 @@ def full_attention(q, k, v, *, causal):
     return out.transpose(1, 0, 2, 3, 4).reshape(b, t, h, d)
 
 
-def _inputs(t, heads, kv_heads, head_dim=16):
+def _inputs(t, heads, kv_heads, head_dim=16, batch=1):
     ks = jax.random.split(jax.random.key(t + 10 * heads + kv_heads), 4)
-    q = jax.random.normal(ks[0], (1, t, heads, head_dim))
-    k = jax.random.normal(ks[1], (1, t, kv_heads, head_dim))
-    v = jax.random.normal(ks[2], (1, t, kv_heads, head_dim))
+    q = jax.random.normal(ks[0], (batch, t, heads, head_dim))
+    k = jax.random.normal(ks[1], (batch, t, kv_heads, head_dim))
+    v = jax.random.normal(ks[2], (batch, t, kv_heads, head_dim))
     return q, k, v, jax.random.normal(ks[3], q.shape)
 
 
@@ -83,6 +83,25 @@ def test_ring_attention_equals_full_attention(case):
     out_err, grad_errs = ring_errors(**case)
     assert out_err <= 1e-5
     assert max(grad_errs) <= 1e-5, grad_errs
+
+
+def test_inside_a_shard_map_of_data_and_context_axes():
+    """An executor's own shard_map (type-checked carries, the default) with a data axis beside the context axis."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "context"))
+    spec = PartitionSpec("data", "context")
+    q, k, v, w = _inputs(512, 4, 2, batch=2)  # one sequence per data shard
+
+    def sharded(q, k, v):
+        def local(q, k, v):
+            return context_parallel_attention_shard(q, k, v, axis_name="context", causal=True, block_sizes=BLOCKS)
+
+        q, k, v = (to_layout(x, 4) for x in (q, k, v))
+        return from_layout(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v), 4)
+
+    out, grads = _value_and_grads(sharded, w)(q, k, v)
+    ref, ref_grads = _value_and_grads(lambda q, k, v: full_attention(q, k, v, causal=True), w)(q, k, v)
+    assert float(jnp.max(jnp.abs(out - ref))) <= 1e-5
+    assert max(float(jnp.max(jnp.abs(g - r))) for g, r in zip(grads, ref_grads)) <= 1e-5
 
 
 def test_ring_attention_checks_its_arguments():

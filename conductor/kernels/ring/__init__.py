@@ -130,7 +130,7 @@ def ring_attention(
             q, k, v, axis_name=axis_name, causal=causal, layout=layout, form=form, scale=scale, block_sizes=block_sizes
         )
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
 
 
 __all__ = [

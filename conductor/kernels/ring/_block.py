@@ -38,6 +38,18 @@ def _k_upper(i, bq, bk, nk, diagonal):
     return jnp.minimum(((i + 1) * bq + bk - 1) // bk, nk) if diagonal else nk
 
 
+def full_varying(shape, value: float, *like):
+    """fp32 ``value`` of ``shape``, varying over the mesh axes ``like`` varies over.
+
+    Inside ``shard_map`` a loop carry must keep its type, and a constant varies over no axis
+    while a carry computed from the inputs varies over theirs.
+    """
+    out = jnp.full(shape, value, jnp.float32)
+    for x in like:
+        out = out + jnp.zeros_like(x[(0,) * x.ndim], jnp.float32)
+    return out
+
+
 def _split(x, block: int, axis: int):
     """Moves ``axis`` of length n·block to a leading (n, …, block, …) pair."""
     shape = (*x.shape[:axis], x.shape[axis] // block, block, *x.shape[axis + 1 :])
@@ -68,7 +80,11 @@ def block_forward(q, k, v, *, diagonal: bool, scale: float, bq: int, bk: int):
             o = corr[..., None] * o + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_blk.astype(jnp.float32))
             return o, m_new, corr * norm + p.sum(-1)
 
-        init = (jnp.zeros((*shape, v.shape[-1]), jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape))
+        init = (
+            full_varying((*shape, v.shape[-1]), 0.0, q_blk, k, v),
+            full_varying(shape, -jnp.inf, q_blk, k),
+            full_varying(shape, 0.0, q_blk, k),
+        )
         o, m, norm = lax.fori_loop(0, _k_upper(i, bq, bk, nk, diagonal), body, init)
         return o / norm[..., None], m + jnp.log(norm)
 
@@ -100,7 +116,7 @@ def block_backward(q, k, v, do, lse, delta, *, diagonal: bool, scale: float, bq:
             return dk, dv
 
         lower = (j * bk) // bq if diagonal else 0
-        zeros = jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32)
+        zeros = full_varying(k_blk.shape, 0.0, k_blk, v_blk, q, do), full_varying(v_blk.shape, 0.0, k_blk, v_blk, q, do)
         return lax.fori_loop(lower, nq, body, zeros)
 
     def one_q_block(args):
@@ -115,7 +131,8 @@ def block_backward(q, k, v, do, lse, delta, *, diagonal: bool, scale: float, bq:
             ds = p * (dp - delta_blk[..., None])
             return dq + scale * jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_blk.astype(jnp.float32))
 
-        return lax.fori_loop(0, _k_upper(i, bq, bk, nk, diagonal), body, jnp.zeros(q_blk.shape, jnp.float32))
+        zeros = full_varying(q_blk.shape, 0.0, q_blk, do_blk, k, v)
+        return lax.fori_loop(0, _k_upper(i, bq, bk, nk, diagonal), body, zeros)
 
     dk, dv = lax.map(one_k_block, (jnp.arange(nk), _split(k, bk, 2), _split(v, bk, 2)))
     rows = (jnp.arange(nq), _split(q, bq, 3), _split(do, bq, 3), _split(lse, bq, 3), _split(delta, bq, 3))

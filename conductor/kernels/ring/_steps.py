@@ -23,7 +23,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jax import lax
 
-from conductor.kernels.ring._block import block_backward, block_forward
+from conductor.kernels.ring._block import block_backward, block_forward, full_varying
 from conductor.kernels.ring._layout import DIAGONAL, FULL, Layout, chunk_index, chunks_per_device, pair_kind
 
 Relation = Literal["self", "before", "after"]  # src = me, src < me, src > me
@@ -109,7 +109,7 @@ def _by_relation(ring: Ring, me, src, run, *operands):
 def empty_accumulator(q, head_dim_v: int):
     """(O, L) before any block: zeros and −∞, q in (B, Hkv, G, T, D)."""
     shape = q.shape[:-1]
-    return jnp.zeros((*shape, head_dim_v), jnp.float32), jnp.full(shape, -jnp.inf)
+    return full_varying((*shape, head_dim_v), 0.0, q), full_varying(shape, -jnp.inf, q)
 
 
 def attend(ring: Ring, q, acc, k, v, relation: Relation):
@@ -140,7 +140,8 @@ def grads(ring: Ring, rows, dq, k, v, relation: Relation):
     q, do, lse, delta = rows
     length = q.shape[3] // ring.chunks
     bq, bk = _sizes(ring, length)
-    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    # a step that skips every pair returns these as they are, so they vary as a computed one would
+    dk, dv = full_varying(k.shape, 0.0, q, k, v), full_varying(v.shape, 0.0, q, k, v)
     for c in plan(ring, relation):
         r, s = slice(c.q0 * length, c.q1 * length), slice(c.k0 * length, c.k1 * length)
         dq_c, dk_c, dv_c = block_backward(
