@@ -12,9 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import conductor
 from conductor.kernels import AttentionBlockSizes, attention
+from conductor.kernels.attention import Band
 from conductor.kernels.attention._mask import band
 from orchestrator.bench._conductor import max_abs_diff, temp_bytes
 
@@ -215,3 +218,28 @@ def test_a_whole_mask_passed_in_is_reported_as_such():
     ((match, decision),) = conductor.inspect(given_mask, q, k, v, jnp.tril(jnp.ones((64, 64), bool)), policy=FORCE)
     assert not match.rewritable and not decision.rewrite
     assert decision.reason.startswith("mask computed from inputs: a whole (T, S) mask passed in")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    seq=st.integers(2, 80),
+    left=st.one_of(st.none(), st.integers(0, 90)),
+    right=st.one_of(st.none(), st.integers(0, 90)),
+    prefix=st.integers(0, 90),
+)
+def test_the_band_read_from_a_mask_keeps_exactly_its_pairs(seq, left, right, prefix):
+    written = Band(left=left, right=right, prefix=prefix)
+    pos = np.arange(seq)
+    keep = written.keep(pos[:, None], pos[None, :])
+    keep = np.ones((seq, seq), bool) if keep is None else np.asarray(keep)
+
+    def masked(q, k, v):
+        return _attend(jnp.where(keep, _scores(q, k), -jnp.inf), v)
+
+    spec = jax.ShapeDtypeStruct((1, seq, 2, 8), jnp.float32)
+    ((match, _),) = conductor.inspect(masked, spec, spec, spec, policy=FORCE)
+    assert match.rewritable, match.details["problems"]
+    d = match.details
+    read = Band.of(causal=d["causal"], window=d["window"], prefix=d["prefix"], seq_q=seq, seq_k=seq)
+    kept = read.keep(pos[:, None], pos[None, :])
+    np.testing.assert_array_equal(np.ones((seq, seq), bool) if kept is None else np.asarray(kept), keep)
