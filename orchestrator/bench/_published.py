@@ -229,7 +229,9 @@ def price(run: PublishedRun, model=None) -> dict:
         recompute=p["recompute"] == "full",
         microbatches=M,
         global_batch=run.global_batch,
-        zero=bool(p.get("zero")),
+        # Llama 3's FSDP keeps the gathered weights from the forward to the backward (arXiv:2407.21783,
+        # §3.3.2): per step, a reduce-scatter of gradients and an all-gather of weights, as ZeRO-1 moves
+        zero=bool(p.get("zero")) or bool(p.get("fsdp")),
         sequence_parallel=bool(p.get("sequence_parallel")),
         selective_recompute=p["recompute"] == "selective",
         overlap_param_gather=bool(p.get("overlap_param_gather")),
