@@ -194,8 +194,9 @@ def inspect(fn: Callable, *args, policy: Policy | None = None, **kwargs) -> list
     """The matches in ``fn(*args, **kwargs)`` (arrays or ``jax.ShapeDtypeStruct``s) with the decision on each.
 
     Each entry is (:class:`Match`, :class:`Decision`): scope, pattern, shapes, the estimated memory
-    and time as written vs rewritten on the policy's device, and for each rewrite the equations it
-    replaces (``Decision.replaced``). For a train step taking a Flax ``TrainState`` the entries are
+    and time as written vs rewritten on the policy's device, and for each rewrite the equations the
+    kernel replaces (``Decision.replaced``) and those that run inside its region, recomputed in the
+    backward pass (``Decision.fused``). For a train step taking a Flax ``TrainState`` the entries are
     those of the state's ``apply_fn`` as the step calls it, which is what :func:`optimize` rewrites.
     """
     return optimize(fn, policy=policy).inspect(*args, **kwargs)
