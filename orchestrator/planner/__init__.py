@@ -29,12 +29,14 @@ public to the benches (its ``__all__``).
 
 from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._driver import plan
+from orchestrator.planner._groups import MEMORY_HEADROOM, usable_memory_bytes
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._plan import Coverage, Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._progress import SearchProgress
 from orchestrator.planner._replan import cached_plan, fingerprint, replan
 
 __all__ = [
+    "MEMORY_HEADROOM",
     "Coverage",
     "Deadline",
     "DeadlineExceeded",
@@ -48,4 +50,5 @@ __all__ = [
     "fingerprint",
     "plan",
     "replan",
+    "usable_memory_bytes",
 ]

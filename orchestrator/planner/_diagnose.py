@@ -34,11 +34,14 @@ def binding_notes(
             split = " and ".join(f"{b} per replica on {kind}" for kind, b in zip(group.by_type, shares))
             notes.append(f"stage {s} spans {group.device_type}: each microbatch is split {split}")
             continue
-        capacity = space.infos[group.device_type].memory_bytes
-        share = ev.stage_memory_bytes[s] / capacity
+        info = space.infos[group.device_type]
+        share = ev.stage_memory_bytes[s] / info.memory_bytes
         if share >= NEAR:
             why = "; it recomputes its forward pass to fit" if group.recompute else ""
-            notes.append(f"memory binds on stage {s}: {share:.0%} of {capacity / 1e9:.1f} GB per device{why}")
+            usable = f"{info.memory_bytes / 1e9:.1f} GB"
+            if info.memory_bytes < info.capacity_bytes:
+                usable += f" usable (of {info.capacity_bytes / 1e9:.1f} GB, the rest kept free as headroom)"
+            notes.append(f"memory binds on stage {s}: {share:.0%} of {usable} per device{why}")
         alternatives = []
         for name, info in space.infos.items():
             if name == group.device_type or info.devices < group.size:
@@ -131,6 +134,9 @@ def infeasibility_message(
     if least is None:
         return f"{head}: the device and stage limits leave no assignment (more devices or --max-stages needed)"
     extra_gb, M = least
+    # the model's extra is usable memory; a device gives only its usable share of what is added
+    info = next(iter(space.infos.values()))
+    extra_gb *= info.capacity_bytes / info.memory_bytes
     extra_gb = _round_up(extra_gb * (1 + 1e-6))  # shown rounded up, so adding what it says is enough
     if proven:
         extra = f"the least extra memory that makes a plan exist is {extra_gb:.4g} GB per device (at {M} microbatches)"

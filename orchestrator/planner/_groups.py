@@ -59,6 +59,23 @@ def stage_group(stage) -> GroupConfig:
     )
 
 
+MEMORY_HEADROOM = 0.10
+"""The share of each device's memory a plan leaves free unless told otherwise: what the cost model does
+not see (the framework's own buffers, allocator fragmentation, a compiler's temporaries) must fit there."""
+
+
+def usable_memory_bytes(capacity_bytes: float, headroom: float) -> float:
+    """What a plan may fill of a device of ``capacity_bytes``: capacity × (1 − headroom).
+
+    Example:
+      >>> usable_memory_bytes(80e9, 0.1)
+      72000000000.0
+    """
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"memory headroom must be in [0, 1), got {headroom!r}")
+    return capacity_bytes * (1.0 - headroom)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TypeInfo:
     """What the planner needs to know of one device type's hosts."""
@@ -66,12 +83,14 @@ class TypeInfo:
     name: str
     devices: int  # in service
     per_host: int
-    memory_bytes: int
+    memory_bytes: float  # what a plan may fill per device: the capacity less the headroom (usable_memory_bytes)
+    capacity_bytes: float  # the device's whole memory
     intra_link: Link
     inter_link: Link  # between two of its hosts (the slowest such)
 
 
-def type_infos(cluster: Cluster) -> dict[str, TypeInfo]:
+def type_infos(cluster: Cluster, *, memory_headroom: float = MEMORY_HEADROOM) -> dict[str, TypeInfo]:
+    """What the planner needs of each device type in service; each device's memory less ``memory_headroom``."""
     infos = {}
     devices = cluster.devices()
     for name, dtype in cluster.device_types.items():
@@ -86,7 +105,8 @@ def type_infos(cluster: Cluster) -> dict[str, TypeInfo]:
             name=name,
             devices=len(mine),
             per_host=per_host,
-            memory_bytes=dtype.memory_bytes,
+            memory_bytes=usable_memory_bytes(dtype.memory_bytes, memory_headroom),
+            capacity_bytes=dtype.memory_bytes,
             intra_link=hosts[0].intra_link,
             inter_link=inter,
         )

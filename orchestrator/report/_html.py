@@ -1,13 +1,16 @@
 """One self-contained HTML page for a plan: its table and explanation, the simulated timeline's charts and numbers.
 
 Everything is inline (CSS in a ``<style>`` block, charts as base64 PNG data
-URIs), so the file can be mailed or attached to an issue and opens offline.
+URIs), so the file can be mailed or attached to an issue and opens offline. It reads at
+1400 px: a stage's devices are summarised by host ("8 × a100 (a100-0)"), headers wrap, and a
+table wider than the page scrolls inside its own box rather than widening the page.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,10 +20,12 @@ if TYPE_CHECKING:
     from orchestrator.planner import Plan
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1300px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; padding: 0 1em; max-width: 1300px; color: #222; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.9em; margin: 0.5em 0; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+.wide { max-width: 100%; overflow-x: auto; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; }
+td { white-space: nowrap; } th { white-space: normal; vertical-align: bottom; }
 th { background: #f3f3f3; } td.l, th.l { text-align: left; }
 pre { background: #f8f8f8; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
 img { max-width: 100%; border: 1px solid #eee; }
@@ -52,6 +57,30 @@ def _table(header: list[str], rows: list[list[str]], left: int = 0) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _devices(devices: tuple[str, ...], text: str) -> str:
+    """A stage's devices as its count and type and the hosts they sit on: ``8 × a100 (a100-0)``; the hosts
+    of a long list are summarised too (``16 × a100 (a100-0 … a100-3, 4 hosts)``)."""
+    hosts = list(dict.fromkeys(ref.rsplit("/", 1)[0] for ref in devices))  # refs are host/index, in order
+    where = ", ".join(hosts) if len(hosts) <= 3 else f"{hosts[0]} … {hosts[-1]}, {len(hosts)} hosts"
+    return f"{text} ({where})" if hosts else text
+
+
+def _capacities(plan: Plan) -> dict[int, float]:
+    """Each stage's device memory (the smaller of its two types'), from the cluster the plan embeds; none
+    without one."""
+    from orchestrator.cluster import ClusterError, parse_cluster
+
+    spec = plan.source.get("cluster_spec")
+    if not isinstance(spec, dict):
+        return {}
+    try:
+        memory = {name: t.memory_bytes for name, t in parse_cluster(spec, "the plan's cluster").device_types.items()}
+    except ClusterError:
+        return {}
+    kinds = {k: stage.device_type.split("+") for k, stage in enumerate(plan.stages)}
+    return {k: min(memory[t] for t in types) for k, types in kinds.items() if all(t in memory for t in types)}
+
+
 def _image(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
@@ -76,7 +105,7 @@ def render_html(plan: Plan, timeline: Timeline, *, title: str = "Orchestrator pl
             [
                 str(k),
                 layers,
-                f"{st.devices_text}: {', '.join(st.devices)}",
+                _devices(st.devices, st.devices_text),
                 str(st.tp),
                 str(st.dp),
                 "yes" if st.recompute else "no",
@@ -94,6 +123,15 @@ def render_html(plan: Plan, timeline: Timeline, *, title: str = "Orchestrator pl
                 _ms(stats[k].bubble_s),
             ]
         )
+    capacities = _capacities(plan)
+    headroom = plan.source.get("memory_headroom")
+    memory_note = "Solid: simulated memory per device; dashed: the plan's predicted peak"
+    if capacities:
+        memory_note += "; dotted: the device's memory"
+        if isinstance(headroom, float) and math.isfinite(headroom) and 0 < headroom < 1:
+            memory_note += (
+                f", of which the plan fills at most {1 - headroom:.0%} ({headroom:.0%} kept free as headroom)"
+            )
     plan_table = _table(
         [
             "stage",
@@ -156,7 +194,7 @@ def render_html(plan: Plan, timeline: Timeline, *, title: str = "Orchestrator pl
         f"global batch {plan.global_batch}: closed form {_ms(plan.iteration_s)}, simulated "
         f"{_ms(timeline.iteration_s)} ({timeline.rel_diff:+.2%}), bubble {timeline.bubble_fraction:.1%}.</p>",
         "<h2>Stages</h2>",
-        plan_table,
+        f'<div class="wide">{plan_table}</div>',
         "<h2>Predicted breakdown</h2>",
         '<div style="display:flex; gap:3em">',
         "<div><b>closed form (planner)</b>" + _table(["term", "time"], breakdown_rows, left=1) + "</div>",
@@ -166,7 +204,8 @@ def render_html(plan: Plan, timeline: Timeline, *, title: str = "Orchestrator pl
         "<h2>Timeline</h2>",
         _image(gantt_png(timeline), "Gantt chart"),
         "<h2>Memory</h2>",
-        _image(memory_png(timeline), "memory over time"),
+        _image(memory_png(timeline, capacity_bytes=capacities or None), "memory over time"),
+        f'<p class="note">{html.escape(memory_note)}.</p>',
         "<h2>Links</h2>",
         _table(["link", "utilisation", "busy", "shared", "peak messages", "bytes"], link_rows, left=1)
         if link_rows

@@ -11,7 +11,7 @@ SETTINGS = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages":
 
 def test_ilp_equals_enumeration_on_random_instances():
     solved = 0
-    for seed in range(34):
+    for seed in range(36):  # 30 of them have a plan with the default memory headroom
         model = random_instance(seed)
         truth = exhaustive_plan(model, **SETTINGS)
         if truth is None:
