@@ -8,6 +8,7 @@ a mask from inputs is reported as positions passed in or as data.
 
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,6 +128,12 @@ def window_iota(q, k, v):  # broadcasted iotas, an additive mask, flax's fill va
     return _attend(_scores(q, k) + jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min), v)
 
 
+def window_flax(q, k, v):  # flax's mask helpers over positions broadcast to (B, T)
+    pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    local = nn.make_attention_mask(pos, pos, lambda i, j: i - j < WINDOW)
+    return nn.dot_product_attention(q, k, v, mask=nn.combine_masks(nn.make_causal_mask(pos), local))
+
+
 def symmetric_band(q, k, v):  # |i − j| < w, no causality (an encoder's local attention)
     pos = jnp.arange(q.shape[1])
     return _attend(jnp.where(jnp.abs(pos[:, None] - pos[None, :]) < 8, _scores(q, k), -jnp.inf), v)
@@ -169,6 +176,7 @@ def test_sliding_window_is_rewritten_exactly_and_uses_less_memory():
     [
         (window_tril, "sliding_window", WINDOW, 0),
         (window_iota, "sliding_window", WINDOW, 0),
+        (window_flax, "sliding_window", WINDOW, 0),
         (symmetric_band, "band", 8, 0),
         (prefix_lm, "prefix_lm", None, 40),
     ],
