@@ -139,7 +139,13 @@ def planner(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON {instances: [...]}.")] = False,
     time_limit_s: Annotated[
         float,
-        typer.Option(min=0.1, help="ILP time limit per instance (the planner's default; GPT-175B: at most 10 s)."),
+        typer.Option(
+            min=0.1,
+            help="Search budget per instance, in seconds of counted solver work (simplex iterations, "
+            "branch-and-bound nodes, plans priced, each at about an idle core's cost), not wall-clock: the "
+            "plans and gaps are the same on a busy machine, which only takes longer (wall-clock caps a "
+            "search at 10x its budget + 30 s). The planner's default; GPT-175B: at most 10 s.",
+        ),
     ] = 30.0,
     quick: Annotated[bool, typer.Option(help="A smaller suite (for tests).")] = False,
 ) -> None:

@@ -16,7 +16,6 @@ import functools
 import logging
 import math
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from orchestrator.planner._groups import GroupConfig
@@ -26,7 +25,7 @@ from orchestrator.planner._packing import TOLERANCE, PackingBound
 from orchestrator.planner._paths import StageColumns
 from orchestrator.planner._scope import Scope
 from orchestrator.planner._workers import default_workers
-from orchestrator.solver import highs_available
+from orchestrator.solver import highs_available, work
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +47,15 @@ def packing_bounds(scope: Scope, best: Best, candidates, *, deadline: float) -> 
             [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
         )
         simple = simple_bound_s(space.runs, groups, space.table, space.infos, M)
-        if not groups or time.perf_counter() >= deadline or not highs_available():  # (the LP needs highspy)
+        if not groups or work.now() >= deadline or not highs_available():  # (the LP needs highspy)
             found[M] = simple
             continue
         searches[M] = PackingBound(space, groups, microbatches=M, max_stages=max_stages, schedule=best.schedule)
-        share = time.perf_counter() + (deadline - time.perf_counter()) / (len(candidates) - index)
+        share = work.now() + (deadline - work.now()) / (len(candidates) - index)
         found[M] = _packing_search(searches[M], simple, cutoff_s, incumbent, share, options.coarse)
         log.debug("M=%d: packing bound %.6g s (capacity %.6g s)", M, found[M], simple)
     refined: set[int] = set()
-    while time.perf_counter() < deadline:
+    while work.now() < deadline:
         open_bounds = [M for M in searches if M not in refined and found[M] < cutoff_s]
         if not open_bounds:
             break
@@ -129,7 +128,7 @@ def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dic
         what bounds their scores is its step time. Past the deadline the search has moved on:
         (0, 0) ends the MIP, whose result is not read."""
         nonlocal cutoff_s
-        if time.perf_counter() >= deadline:
+        if work.now() >= deadline:
             return 0.0, 0.0
         with lock:
             before = best.current
@@ -140,7 +139,7 @@ def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dic
             return ev.iteration_s, cutoff_s
 
     def mip(M: int, S: int):  # (under the cutoff of the incumbent when it starts)
-        left = deadline - time.perf_counter()
+        left = deadline - work.now()
         share = left * workers / (len(jobs) + 1)  # (the MIPs still waiting, and this one)
         limit = limits[M, S] = min(
             left, max(options.column_mip_s, share, options.retry_growth * limits.get((M, S), 0.0))
@@ -193,11 +192,12 @@ def _on_threads(pool: ThreadPoolExecutor, workers: int, jobs: list, deadline: fl
     """Run the (kind, M, S, job) of ``jobs``, first first, at most one per worker at once, yielding
     (kind, M, S, job()) as each ends, until ``deadline``; the caller may add jobs between yields."""
     running = {}
-    while (jobs or running) and (left := deadline - time.perf_counter()) > 0:
+    while (jobs or running) and (left := deadline - work.now()) > 0:
         while jobs and len(running) < workers:
             kind, M, S, job = jobs.pop(0)
             running[pool.submit(job)] = (kind, M, S)
-        done, _ = wait(running, timeout=left, return_when=FIRST_COMPLETED)
+        # (counting work, the clock moves only as a job charges it: wait for the job to end)
+        done, _ = wait(running, timeout=None if work.counting() else left, return_when=FIRST_COMPLETED)
         for future in done:
             kind, M, S = running.pop(future)
             yield kind, M, S, future.result()

@@ -37,7 +37,7 @@ from orchestrator.costs import CostModel
 from orchestrator.planner._bounds import column_bounds, packing_bounds
 from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._diagnose import infeasibility_message
-from orchestrator.planner._groups import MEMORY_HEADROOM, GroupConfig
+from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._incumbent import Best
 from orchestrator.planner._make_plan import make_plan
 from orchestrator.planner._migration import Migration
@@ -51,6 +51,7 @@ from orchestrator.planner._solve import first_pass, rounds
 from orchestrator.planner._space import SearchSpace, microbatch_counts, search_space
 from orchestrator.planner._starts import first_incumbent
 from orchestrator.planner._workers import PieceWorkers, default_workers
+from orchestrator.solver import work
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,6 @@ def plan(
     migration: Migration | None = None,
     zero: bool = False,
     mixed_stages: bool | None = None,
-    memory_headroom: float = MEMORY_HEADROOM,
     options: SearchOptions | None = None,
     deadline: Deadline | None = None,
     progress: Observer | None = None,
@@ -91,8 +91,11 @@ def plan(
       microbatch_candidates: the M to consider (those dividing ``global_batch``); None: every
         divisor of ``global_batch``.
       max_stages: the largest pipeline depth (default: layers, at most 16).
-      time_limit_s: wall-clock budget for all solves; the incumbent and its gap are
-        returned when it runs out.
+      time_limit_s: the search's budget in seconds of counted work (simplex iterations, branch-and-
+        bound nodes, plans priced, each at about an idle core's cost: ``orchestrator.solver.work``),
+        so the same input gives the same plan and gap on an idle or a busy machine; the incumbent
+        and its gap are returned when it runs out. The wall clock only caps it, at
+        ``work.wall_cap_s(time_limit_s)`` (or ``deadline``).
       gap: relative gap at which each solve stops.
       recompute: also consider recomputing each stage's forward in its backward.
       start: a known plan (layers per stage, groups, M) to start from, e.g. the previous
@@ -111,12 +114,10 @@ def plan(
         with its own batch share (``_groups``, ``CostTable``). None (default): on clusters of at
         most ``options.mixed_hosts`` hosts. The executor runs one SPMD program per stage, which
         cannot give replicas uneven shares: plan with False to execute.
-      memory_headroom: the share of each device's memory a plan leaves free (``MEMORY_HEADROOM``,
-        10%): a stage may fill capacity × (1 − memory_headroom) per device.
       options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
-      deadline: when given, bounds the call in place of ``time_limit_s`` (a :class:`Deadline` that
-        started earlier, e.g. with a command that captured the model first); its ``limit_s`` is
-        the limit an answer that ran out of time names.
+      deadline: when given, the wall-clock cap of the call (a :class:`Deadline` that started
+        earlier, e.g. with a command that captured the model first; the work budget is then at
+        most its ``limit_s``); its ``limit_s`` is the limit an answer that ran out of time names.
       progress: called with a :class:`SearchProgress` as each step of the search starts and as
         each piece's solve ends (the incumbent, the bound, the gap), on this thread.
 
@@ -139,16 +140,15 @@ def plan(
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
-    if not 0.0 <= memory_headroom < 1.0:
-        raise ValueError(f"memory_headroom must be in [0, 1), got {memory_headroom!r}")
-    deadline = deadline or Deadline.after(time_limit_s)
+    # the steps share ``time_limit_s`` of counted solver work (``work``), the same steps however busy
+    # the machine; the wall clock only caps it (``deadline``, or far above the budget)
+    if deadline is not None:
+        time_limit_s = min(time_limit_s, deadline.limit_s)
+    deadline = deadline or Deadline.after(work.wall_cap_s(time_limit_s))
     started = time.perf_counter()
-    time_limit_s = max(0.0, deadline.left())  # what the steps below share
     options = options or SearchOptions()
     mixed = options.offers_mixed(model.cluster, mixed_stages)
-    space = search_space(
-        model, global_batch, recompute=recompute, zero=zero, mixed=mixed, memory_headroom=memory_headroom
-    )
+    space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed)
     max_stages = min(max_stages or 16, space.layers, len(model.cluster.devices()))
     candidates = microbatch_counts(global_batch, microbatch_candidates)
     log.debug(
@@ -175,7 +175,7 @@ def plan(
     # the search ends a little early, so the plan (devices, explanation) is built within the limit
     hard = deadline.earlier_by(finish_s)
     try:
-        with space.table.bounded(hard):
+        with space.table.bounded(hard), work.work_budget():
             hard.check()
             _search(
                 model,
@@ -236,9 +236,10 @@ def _search(
     ending ``finish_s`` early; the incumbent goes into ``certificate.best``, what the search proves into
     ``certificate``, and ``report(step, **counts)`` hears of each step and each piece solved."""
     best, options, candidates, max_stages = certificate.best, scope.options, scope.candidates, scope.max_stages
+    started = work.now()  # (the shares are of counted work)
 
     def left() -> float:
-        return time_limit_s - (time.perf_counter() - started)
+        return time_limit_s - (work.now() - started)
 
     # each step in its share of the time left: the first incumbent, the column bounds, the packing bounds
     report("first plan")
@@ -253,12 +254,12 @@ def _search(
         time_limit_s=time_limit_s,
     )
     report("bounds")
-    columns = column_bounds(scope, best, deadline=time.perf_counter() + options.column_share * left())
+    columns = column_bounds(scope, best, deadline=work.now() + options.column_share * left())
     # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
     # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
     complete = {M: min(b.values()) for M, b in columns.items() if len(b) == max_stages}
     open_counts = [M for M in candidates if M not in complete]
-    packing = packing_bounds(scope, best, open_counts, deadline=time.perf_counter() + options.packing_share * left())
+    packing = packing_bounds(scope, best, open_counts, deadline=work.now() + options.packing_share * left())
     packing.update(complete)
     report("models")
     pieces = build_pieces(

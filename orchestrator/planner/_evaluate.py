@@ -11,6 +11,7 @@ from orchestrator.planner._closed_form import step_time
 from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._ilp import in_flight
 from orchestrator.planner._table import CostTable
+from orchestrator.solver import work
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,7 @@ def evaluate(
     ``summarize``: :func:`summarize_stage` or a cache of it (the local search's);
     ``report_infeasible``: as in :func:`combine`."""
     S = len(stages)
+    work.charge(work.PLAN_S)  # (the search's budget counts plans priced)
     summaries = [
         summarize(
             layers,

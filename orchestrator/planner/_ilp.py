@@ -75,6 +75,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import pulp
 
 from orchestrator.cluster import Link
@@ -190,6 +191,26 @@ def cheapest_transfer_s(
         return 0.0
     widest = max(g.size for g in groups)  # the most links a transfer can spread over
     return min(table.send_s(layer, microbatches, link, widest) for layer in ends for link in pairs)
+
+
+def transfer_floors_s(
+    runs: list[Run], groups: list[GroupConfig], table: CostTable, links, microbatches: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(send[r, g], receive[r, g]): the least one-way transfer of run r's output (its last layer's)
+    out of a stage on group g, and into one, over any link from or to the groups' types (0 where
+    there is none). A boundary between stages of n and n′ devices sends over min(n, n′) links
+    (``CostTable.send_s``), never more than either side's own count, so each bounds every transfer
+    of that run across a boundary with g on that side: the narrower the group, the dearer."""
+    types = sorted({g.device_type for g in groups})
+    send, receive = np.zeros((len(runs), len(groups))), np.zeros((len(runs), len(groups)))
+    for r, run in enumerate(runs):
+        layer = run.first + run.count - 1
+        for g, group in enumerate(groups):
+            t = group.device_type
+            out = [table.send_s(layer, microbatches, links[t, t2], group.size) for t2 in types if (t, t2) in links]
+            into = [table.send_s(layer, microbatches, links[t2, t], group.size) for t2 in types if (t2, t) in links]
+            send[r, g], receive[r, g] = min(out, default=0.0), min(into, default=0.0)
+    return send, receive
 
 
 def link_bound_s(
@@ -446,6 +467,22 @@ class StageModel:
         for j in range(1, self.J):
             self.lp += pulp.lpSum(self.e[r, j] for r in ends) >= self.used[j], f"one_last_run_{j}"
             self.lp += self.P[j] >= linear((self.e[r, j], floor[r]) for r in ends), f"transfer_floor_{j}"
+        if not ends:
+            return
+        # valid without the types or the counts too: a stage on g sends, and one on g receives, at
+        # least g's own floor (a boundary spreads over at most either side's devices); the LP
+        # relaxation keeps these where it spreads q over the widest groups
+        send, receive = (
+            MS * a[ends].min(axis=0) for a in transfer_floors_s(self.runs, self.groups, self.table, self.links, self.M)
+        )
+        most = float(receive.max(initial=0.0))
+        for j in range(1, self.J):
+            self.lp += self.P[j] >= linear((self.u[j, g], send[g]) for g in G if send[g] > 0), f"sends_at_least_{j}"
+            self.lp += (
+                self.P[j]
+                >= linear((self.u[j - 1, g], receive[g]) for g in G if receive[g] > 0) - most * (1 - self.used[j]),
+                f"receives_at_least_{j}",
+            )
 
     def send_s(self, r: int, source: str, target: str, devices: float = 1) -> float:
         """One transfer of run r's output from a stage on ``source`` to one on ``target``, sent over

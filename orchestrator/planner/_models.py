@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 
 from orchestrator.planner._ilp import MS, StageModel
 from orchestrator.planner._incumbent import Best
@@ -21,7 +20,7 @@ from orchestrator.planner._pieces import Certificate, Piece
 from orchestrator.planner._scope import Scope
 from orchestrator.planner._solve import whole
 from orchestrator.planner._space import SearchSpace
-from orchestrator.solver import HighsSession, highs_available
+from orchestrator.solver import HighsSession, highs_available, work
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +50,25 @@ def build_pieces(
         if packed >= best.cutoff_s(gap):  # none is gap better than the incumbent
             certificate.close(packed)
             continue
-        if time_limit_s - (time.perf_counter() - started) <= build_s:  # no time to build it: it keeps its packing bound
+        if time_limit_s - (work.now() - started) <= build_s:  # no time to build it: it keeps its packing bound
             certificate.close(packed)
             if best.current is None:
                 certificate.unproven.append(M)
             continue
-        building = time.perf_counter()
+        building = work.now()
         sub = _model(space, M, max_stages, best, migration)
-        build_s = time.perf_counter() - building
+        work.charge(options.build_s_per_cell * len(space.groups) * len(space.runs) * max_stages)  # (its cells)
+        build_s = work.now() - building
         log.debug("M=%d: model built in %.2f s (%d groups, %d runs)", M, build_s, len(space.groups), len(space.runs))
         if not highs_available():
-            left = time_limit_s - (time.perf_counter() - started)
-            result = whole(sub, best.current, gap=gap, deadline=time.perf_counter() + left / (len(candidates) - index))
+            left = time_limit_s - (work.now() - started)
+            result = whole(sub, best.current, gap=gap, deadline=work.now() + left / (len(candidates) - index))
             certificate.record(sub, dataclasses.replace(result, bound=max(result.bound, packed * MS)))
             continue
         session = HighsSession(sub.lp)
         # the whole model's relaxation bounds every piece of this M until a piece's own solve does
         # better; where the packing bound got past the capacity bound it is the stronger one
-        left = time_limit_s - (time.perf_counter() - started)
+        left = time_limit_s - (work.now() - started)
         relaxed = -math.inf
         if packed <= sub.simple_bound_s() * (1 + 1e-9):
             relaxed = session.relaxation_bound(time_limit_s=min(options.relaxation_s, left / (len(candidates) - index)))

@@ -55,9 +55,10 @@ forward, backward, sync and optimizer, and a bucket's own stages counted at leas
 only where layer 0 is a run of its own). Under 1F1B, stage s's backward i + K_s waits for
 backward i's microbatch to go round the loop L_s = Σ_{s′≥s} c_s′ + 2·Σ P (the transfers to the
 end and back), so with M − 1 = q·K_s + r the closed form gives step ≥ U^f_s + U^b_s + (q+1)·L_s +
-r·b_s. With π the cheapest transfer any boundary can have (``_ilp.cheapest_transfer_s``), u_p =
-Σ_g n[g,p] the stages at bucket p, and q_p for the most in flight in the bucket (K = its last
-position + 1; r·b_p only for one-position buckets):
+r·b_s. With π_g the least transfer a stage on group g sends (``_ilp.transfer_floors_s``: a
+boundary spreads over the smaller side's devices, at most g's own), π·u_p standing for
+Σ_g π_g·n[g,p] (what the stages at bucket p send at least), and q_p for the most in flight in the
+bucket (K = its last position + 1; r·b_p only for one-position buckets):
 
     Z ≥ Σ_{p′>p} (c_p′ + 2π·u_p′) + (q_p+1)·(Σ_{p′<p} c_p′ + c_p/w_p + 2π·(Σ_{1≤p′<p} u_p′ + u_p/w_p)) + r_p·b_p
 
@@ -89,15 +90,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import numpy as np
 
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._ilp import cheapest_transfer_s, in_flight
+from orchestrator.planner._ilp import boundary_runs, in_flight, transfer_floors_s
 from orchestrator.planner._space import SearchSpace
 from orchestrator.planner._table import per_run
-from orchestrator.solver import highs_lp
+from orchestrator.solver import highs_lp, work
 
 # the search stops when its bound is this close (relative) to the most the bound could be: a
 # tenth of the 1% gap the planner aims for
@@ -168,7 +168,7 @@ class _BottleneckLP:
             rows.append((cols[keep], vals[keep], 0.0, math.inf))
 
         end = 0  # one past the bucket's last position
-        pi = bound.transfer_s
+        pi = bound.transfer_s[:, None]  # [g, 1]: what a stage on g sends at least
         every_boundary = np.zeros((G, P))  # each stage but the last sends there and back
         every_boundary[:, 1:] = 2 * pi
         for p, (width, _) in enumerate(buckets):
@@ -181,7 +181,7 @@ class _BottleneckLP:
             both_ways_up[:, p + 1 :], one_way_up[:, p + 1 :] = 2 * pi, pi
             downstream[:, 1:p] = 2 * pi
             if end - width >= 1:
-                downstream[:, p] = 2 * pi / width
+                downstream[:, p] = 2 * pi[:, 0] / width
             weights = np.zeros((R, G, P))  # fill, upstream only
             weights[:, :, p + 1 :] = times[:, :, None]
             weights[:, :, p] = M * times / width
@@ -247,7 +247,7 @@ class _BottleneckLP:
             # decides at once
             self.highs.clearSolver()
         self.last_s = bottleneck_s
-        self.highs.run()
+        work.run(self.highs)
         status = self.highs.getModelStatus()
         # a warm start can end undecided (kUnknown after a large change of T), and so can a fresh
         # start with or without presolve, on different probes of the same model; an undecided
@@ -257,7 +257,7 @@ class _BottleneckLP:
                 break
             self.highs.clearSolver()
             self.highs.setOptionValue(option, value)
-            self.highs.run()
+            work.run(self.highs)
             status = self.highs.getModelStatus()
         self.highs.setOptionValue("presolve", "choose")
         self.highs.setOptionValue("solver", "choose")
@@ -272,12 +272,15 @@ class PackingBound:
     def __init__(
         self, space: SearchSpace, groups: list[GroupConfig], *, microbatches: int, max_stages: int, schedule: str
     ):
-        """Over ``groups`` of ``space`` (its runs, cost table, and the links whose cheapest transfer
-        the rows price)."""
+        """Over ``groups`` of ``space`` (its runs, cost table, and the links whose least transfer
+        per group the rows price)."""
         runs, table, infos, links = space.runs, space.table, space.infos, space.links
         self.runs, self.groups, self.infos, self.M, self.J = runs, groups, infos, microbatches, max_stages
         self.schedule = schedule
-        self.transfer_s = cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0
+        # [g]: the least transfer a stage on g sends (from any run it can end with, over any link)
+        sends = transfer_floors_s(runs, groups, table, links, microbatches)[0] if links else None
+        ends = boundary_runs(runs)
+        self.transfer_s = sends[ends].min(axis=0) if sends is not None and ends else np.zeros(len(groups))
         self.time, self.forward, self.sync, self.optimizer = (
             per_run(table, runs, groups, microbatches, field)
             for field in ("time_s", "forward_s", "dp_sync_s", "optimizer_s")
@@ -339,7 +342,7 @@ class PackingBound:
         when the best bound is within ``tolerance`` (relative) of the most it could be. It starts bracketed by
         ``above_s`` (a known bound) and ``below_s`` (an incumbent's step time): once the bound
         reaches the incumbent, no plan of this M beats it and the bound is +inf. At
-        ``deadline`` (``time.perf_counter()``) the search stops with the best bound so far."""
+        ``deadline`` (on ``work.now()``'s clock) the search stops with the best bound so far."""
         if not self.groups:
             return math.inf
         M = self.M
@@ -357,7 +360,7 @@ class PackingBound:
         # floor is M·lo once lo is probed (or the bound given)
         lo, z_lo, floor = max(above_s / M, hi * 1e-6), math.inf, above_s
         geometric = True
-        while deadline is None or time.perf_counter() < deadline:
+        while deadline is None or work.now() < deadline:
             if min(M * hi, z_lo) - max(floor, z_hi) <= tolerance * min(M * hi, z_lo):
                 break
             if geometric or z_lo == math.inf:

@@ -25,16 +25,23 @@ start at layer 0, the last stage's end at the last layer:
     C_p = Σ c·x[p,·],  F_p = Σ f·x[p,·],  E_p = Σ e·x[p,·]   (B_p = C_p − F_p)
 
 and Z ≥ each row below, the rows of the packing bound (``_packing``) with one position per
-bucket, so each a lower bound of the closed form (``_closed_form``) of every plan of S stages:
-π the cheapest one-way transfer any boundary can have, d_p = k_p − 1 under 1F1B (0 under GPipe):
+bucket, so each a lower bound of the closed form (``_closed_form``) of every plan of S stages.
+Q_p ≥ 0 is the transfer from position p to p − 1 (p ≥ 1): at least what p's column sends and what
+p − 1's receives, Q_p ≥ Σ π^out·x[p,·] and Q_p ≥ Σ π^in·x[p−1,·], with π^out[v,g] the least
+transfer of v's last layer's output out of a stage on g and π^in[v,g] that of the layer before v's
+first into one (``_ilp.transfer_floors_s``: a boundary spreads over the smaller side's devices, at
+most either side's own count, so a narrow group pays its own price whatever its neighbour);
+d_p = k_p − 1 under 1F1B (0 under GPipe), Q↑ = Σ_{p′>p} Q_p′ and Q↓ = Σ_{1≤p′≤p} Q_p′:
 
-    Z ≥ Σ_{p′>p} C_p′ + M·C_p + 2π·(S−1−p)                                   fill ahead of p
-    Z ≥ Σ_{p′} C_p′ + (M−1)·C_p − d_p·F_p + 2π·(S−1)                         the whole round trip
-    Z ≥ Σ_{p′>p} F_p′ + M·C_p − B_p + E_p + π·(S−1−p) [+ b_last]              tail after the drain
-    Z ≥ Σ_{p′>p} F_p′ + Σ_{p′<p} C_p′ + M·C_p − B_p + E_p − d_p·F_p + π·(S−1−p) + 2π·p [+ b_last]
-    Z ≥ Σ_{p′>p} C_p′ + (q+1)·(Σ_{p′≤p} C_p′ + 2π·p) + r·B_p + 2π·(S−1−p)      1F1B's in-flight cycle,
+    Z ≥ Σ_{p′>p} C_p′ + M·C_p + 2·Q↑                                         fill ahead of p
+    Z ≥ Σ_{p′} C_p′ + (M−1)·C_p − d_p·F_p + 2·ΣQ                             the whole round trip
+    Z ≥ Σ_{p′>p} F_p′ + M·C_p − B_p + E_p + Q↑ [+ b_last]                      tail after the drain
+    Z ≥ Σ_{p′>p} F_p′ + Σ_{p′<p} C_p′ + M·C_p − B_p + E_p − d_p·F_p + Q↑ + 2·Q↓ [+ b_last]
+    Z ≥ Σ_{p′>p} C_p′ + (q+1)·(Σ_{p′≤p} C_p′ + 2·Q↓) + r·B_p + 2·Q↑            1F1B's in-flight cycle,
                                                                                M − 1 = q·(p+1) + r
-    Z ≥ Σ_{p′} C_p′ + (M−1)·b₀ + e₀ + 2π·(S−1)                                the first layer's sync
+    Z ≥ Σ_{p′>p} C_p′ + C_p + 2·Q↑ + 2M·Q_p                                  p's link (1F1B, p ≥ 1)
+    Z ≥ Σ_{p′} C_p′ + 2·ΣQ + 2(M−1)·Q_p                                      p's link (GPipe, p ≥ 1)
+    Z ≥ Σ_{p′} C_p′ + (M−1)·b₀ + e₀ + 2·ΣQ                                    the first layer's sync
                                                                                (its own run only)
 
 (b_last: the last layer's backward on position 0's group; b₀, e₀: the first layer's backward,
@@ -62,16 +69,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._ilp import MS, Run, cheapest_transfer_s, in_flight
+from orchestrator.planner._ilp import MS, Run, in_flight, transfer_floors_s
 from orchestrator.planner._space import SearchSpace
 from orchestrator.planner._table import CostTable, per_run
-from orchestrator.solver import highs_lp
+from orchestrator.solver import highs_lp, work
 
 # the bisection on the bottleneck stops when its bracket is this close (relative), or after PROBES solves
 TOLERANCE = 1e-3
@@ -121,12 +127,13 @@ class StageColumns:
     """The LP above for one microbatch count, any stage count: shapes × groups priced once."""
 
     def __init__(self, space: SearchSpace, groups: list[GroupConfig], *, microbatches: int, schedule: str):
-        """Over ``groups`` of ``space`` (its runs, cost table, and the links whose cheapest transfer
-        the rows price)."""
+        """Over ``groups`` of ``space`` (its runs, cost table, and the links whose transfers the
+        rows price)."""
         runs, table, infos, links = space.runs, space.table, space.infos, space.links
         self.runs, self.groups, self.infos, self.M, self.schedule = runs, groups, infos, microbatches, schedule
-        self.transfer_ms = MS * cheapest_transfer_s(runs, groups, table, links, microbatches) if links else 0.0
         self.counts, self.starts, self.ends = stage_shapes(runs)
+        work.charge(work.CELL_S * len(runs) * len(groups))  # (its cost table, read below)
+        self.send, self.receive = self._transfer_floors(table, links)  # [v, g], ms
 
         def of_runs(field: str) -> np.ndarray:  # [r, g], in ms
             return MS * per_run(table, runs, groups, microbatches, field)
@@ -153,6 +160,29 @@ class StageColumns:
         # answers by (mask, kind): one per in-flight count, as the cutoff is fixed for a search (read from threads)
         self._undominated: dict[tuple[bytes, bool], np.ndarray] = {}
 
+    def _transfer_floors(self, table: CostTable, links) -> tuple[np.ndarray, np.ndarray]:
+        """[v, g] (ms): the least transfer shape v on group g sends to the next stage (its last
+        layer's output) and receives from the one before (the output of the layer before its first:
+        in its first run where it starts inside that run, else the run before; a shape inside one run
+        may do either), from ``_ilp.transfer_floors_s``. 0 where there is nothing to send or receive."""
+        V, G = len(self.counts), len(self.groups)
+        if not links or not self.runs:
+            return np.zeros((V, G)), np.zeros((V, G))
+        send, receive = (MS * a for a in transfer_floors_s(self.runs, self.groups, table, links, self.M))
+        held = self.counts > 0
+        R = len(self.runs)
+        last = R - 1 - np.argmax(held[:, ::-1], axis=1)
+        first = np.argmax(held, axis=1)
+        into = np.zeros((V, G))
+        for v in range(V):
+            r1 = int(first[v])
+            whole = self.counts[v, r1] == self.runs[r1].count  # it starts where run r1 starts
+            inside = held[v].sum() == 1
+            before = ([r1 - 1] if r1 > 0 else []) if whole else [r1] + ([r1 - 1] if inside and r1 > 0 else [])
+            if before:
+                into[v] = receive[before].min(axis=0)
+        return send[last], into
+
     def _dominance(self):
         """(g, g′, beaten[v, pair]) over the pairs of groups where g′ takes no more devices of any type
         than g: on shape v, g′ is as good as g in every row (forward, backward, sync and optimizer,
@@ -170,7 +200,7 @@ class StageColumns:
         backward = self.time - self.forward
         no_worse = np.ones((len(self.counts), len(g)), dtype=bool)
         better = np.zeros_like(no_worse)
-        for a in [self.forward, backward, self.after]:
+        for a in [self.forward, backward, self.after, self.send, self.receive]:
             no_worse &= a[:, g2] <= a[:, g] + 1e-12 * np.abs(a[:, g])
             better |= a[:, g2] < a[:, g] - 1e-12 * np.abs(a[:, g])
         for a in [*self.sizes.values(), *extra]:
@@ -181,8 +211,8 @@ class StageColumns:
     def _price_dominance(self):
         """As :meth:`_dominance`, for a stronger claim: every plan with g at some position is priced
         by the closed form (``_closed_form``) no lower than the same plan with g′ there, wherever g′
-        fits. So g′ is of g's device type (the same links to and from its neighbours, whose
-        transfers the closed form reads) and takes no more devices of any type, and on every run
+        fits. So g′ is of g's device type and takes as many devices of each type (the same links to
+        and from its neighbours, over as many devices, so the same transfers), and on every run
         of shape v each layer's forward, backward, gradient sync and optimizer step is no slower:
         the closed form is a max of sums that each grow with every one of these (E_s − b_s too, as
         every row of E_s holds b_s at least once)."""
@@ -190,7 +220,7 @@ class StageColumns:
         fewer = np.array([[a.device_type == b.device_type and a.by_type.keys() == b.by_type.keys() for b in self.groups]
                           for a in self.groups])  # fmt: skip
         for a in self.sizes.values():
-            fewer &= a[None, :] <= a[:, None]
+            fewer &= a[None, :] == a[:, None]
         np.fill_diagonal(fewer, False)
         g, g2 = np.nonzero(fewer)
         slower = np.zeros((len(self.runs), len(g)), dtype=bool)  # [r, pair]: some input of run r slower on g′
@@ -286,14 +316,13 @@ class StageColumns:
         to ``price``, and None is returned for them."""
         import highspy
 
-        started = time.perf_counter()
+        started = work.now()
         cutoff_ms = cutoff_s * MS
         # (with ``price``, a plan excluded once priced stands for the plans of the columns it dominates:
         # only where its price is no higher than theirs, ``_price_dominance``)
         lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms, priced=price is not None)
         if lp.empty:
             return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None, True
-        lp.highs.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
         kept = lp.drop_by_reduced_cost(cutoff_ms)
         if kept is None:  # the relaxation alone reaches the cutoff
             return cutoff_s, None, True
@@ -305,13 +334,16 @@ class StageColumns:
             lp.highs.setOptionValue(option, value)
         floor, priced = 0.0, math.inf  # (ms) the MIP's bound so far; the least price of the plans priced
         for excluded in itertools.count():
-            left = time_limit_s - (time.perf_counter() - started)
+            left = time_limit_s - (work.now() - started)
             if excluded and left <= 0:  # out of time between two solves
                 return min(floor, cutoff_ms, priced) / MS, None, False
-            lp.highs.setOptionValue("time_limit", max(0.01, left))
+            # (counting work, its node limit ends it and the wall clock only caps it)
+            lp.highs.setOptionValue("time_limit", lp.highs.getRunTime() + work.wall_limit_s(max(0.01, left)))
+            for option, value in work.limits(max(0.01, left)).items():
+                lp.highs.setOptionValue(option, value)
             if math.isfinite(cutoff_ms):
                 lp.highs.setOptionValue("objective_bound", cutoff_ms)
-            lp.highs.run()
+            work.run(lp.highs)
             status = lp.highs.getModelStatus()
             info = lp.highs.getInfo()
             if status == highspy.HighsModelStatus.kInfeasible:
@@ -395,8 +427,8 @@ class _PositionsLP:
         X = len(self.position)
         pos, shape, group = self.position, self.shape, self.group
         time, forward, after = c.time[shape, group], c.forward[shape, group], c.after[shape, group]
-        # columns: x (X), then C_p, F_p, E_p (S each), then Z
-        C, F, E, Z = X, X + S, X + 2 * S, X + 3 * S
+        # columns: x (X), then C_p, F_p, E_p, Q_p (S each; Q_0 unused), then Z
+        C, F, E, Q, Z = X, X + S, X + 2 * S, X + 3 * S, X + 4 * S
         n_columns = Z + 1
         rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
         x = np.arange(X)
@@ -405,6 +437,12 @@ class _PositionsLP:
             rows.append((mine, np.ones(len(mine)), 1.0, 1.0))
             for column, weights in ((C + p, time), (F + p, forward), (E + p, after)):
                 rows.append((np.r_[mine, column], np.r_[weights[mine], -1.0], 0.0, 0.0))
+        # Q_p: the transfer from position p to p − 1, at least what p's column sends and what p − 1's receives
+        for p in range(1, S):
+            for side, floor in ((p, c.send), (p - 1, c.receive)):
+                mine = x[(pos == side) & (floor[shape, group] > 0)]
+                if len(mine):
+                    rows.append((np.r_[mine, Q + p], np.r_[floor[shape[mine], group[mine]], -1.0], -math.inf, 0.0))
         for r, run in enumerate(c.runs):
             counts = c.counts[shape, r].astype(float)
             held = counts > 0
@@ -413,47 +451,59 @@ class _PositionsLP:
             size = sizes[group]
             used = size > 0
             rows.append((x[used], size[used], -math.inf, float(c.infos[t].devices)))
-        pi = c.transfer_ms
         last_backward = np.where(pos == 0, c.last_backward[group], 0.0)  # on position 0's group
 
-        def step_row(weights: dict[int, float], constant: float, extra: np.ndarray | None = None) -> None:
-            """Z ≥ Σ weight·column + Σ extra·x + constant."""
+        def links(positions, weight: float) -> dict[int, float]:
+            """weight·Q_p over the boundaries sent from ``positions``."""
+            return {Q + q: weight for q in positions if q >= 1}
+
+        def step_row(weights: dict[int, float], extra: np.ndarray | None = None) -> None:
+            """Z ≥ Σ weight·column + Σ extra·x."""
             cols = np.array(list(weights), dtype=np.int64)
             vals = -np.array(list(weights.values()), dtype=float)
             if extra is not None and np.any(extra):
                 used = extra != 0
                 cols, vals = np.r_[cols, x[used]], np.r_[vals, -extra[used]]
-            rows.append((np.r_[cols, Z], np.r_[vals, 1.0], constant, math.inf))
+            rows.append((np.r_[cols, Z], np.r_[vals, 1.0], 0.0, math.inf))
 
+        everywhere = range(S)
         for p in range(S):
             K = in_flight(c.schedule, M, S, S - 1 - p)
             d = 0 if c.schedule == "gpipe" else K - 1
             up, down = range(p + 1, S), range(p)
-            # fill ahead of p
-            step_row({**{C + q: 1.0 for q in up}, C + p: float(M)}, 2 * pi * (S - 1 - p))
+            # fill ahead of p (each boundary upstream there and back)
+            step_row({**{C + q: 1.0 for q in up}, C + p: float(M), **links(up, 2.0)})
             # the whole round trip
             w = {C + q: 1.0 for q in range(S)}
             w[C + p] += M - 1
-            step_row({**w, F + p: -float(d)}, 2 * pi * (S - 1))
+            step_row({**w, F + p: -float(d), **links(everywhere, 2.0)})
             # the tail after the drain: upstream forwards, then M·C − B + E = (M−1)·C + F + E
-            tail = {**{F + q: 1.0 for q in up}, C + p: float(M - 1), F + p: 1.0, E + p: 1.0}
-            step_row(tail, pi * (S - 1 - p), last_backward if p == 0 else None)
-            whole = {**tail, **{C + q: 1.0 for q in down}}
+            tail = {**{F + q: 1.0 for q in up}, C + p: float(M - 1), F + p: 1.0, E + p: 1.0, **links(up, 1.0)}
+            step_row(tail, last_backward if p == 0 else None)
+            whole = {**tail, **{C + q: 1.0 for q in down}, **links(range(p + 1), 2.0)}
             whole[F + p] = 1.0 - d
-            step_row(whole, pi * (S - 1 - p) + 2 * pi * p, last_backward if p == 0 else None)
+            step_row(whole, last_backward if p == 0 else None)
             if c.schedule != "gpipe":  # the in-flight cycle, K = p + 1
                 q, r = divmod(M - 1, p + 1)
                 cycle = {**{C + s: 1.0 for s in up}, **{C + s: float(q + 1) for s in down}}
                 cycle[C + p] = float(q + 1 + r)
                 cycle[F + p] = -float(r)  # r·B_p = r·(C_p − F_p)
-                step_row(cycle, 2 * pi * (S - 1 - p) + (q + 1) * 2 * pi * p)
+                step_row({**cycle, **links(up, 2.0), **links(range(p + 1), 2.0 * (q + 1))})
+            if p >= 1:  # p's outgoing link carries 2M transfers between its first forward and last backward
+                if c.schedule == "gpipe":  # (both flow shops wait on it M − 1 times each)
+                    row = {**{C + s: 1.0 for s in everywhere}, **links(everywhere, 2.0)}
+                    row[Q + p] += 2.0 * (M - 1)
+                else:
+                    row = {**{C + s: 1.0 for s in up}, C + p: 1.0, **links(up, 2.0), Q + p: 2.0 * M}
+                step_row(row)
         if c.first_tail is not None:
             first = np.where(pos == S - 1, c.first_tail[group], 0.0)
-            step_row({C + q: 1.0 for q in range(S)}, 2 * pi * (S - 1), first)
+            step_row({**{C + q: 1.0 for q in range(S)}, **links(everywhere, 2.0)}, first)
 
         cost = np.zeros(n_columns)
         cost[Z] = 1.0
-        return highs_lp(cost, np.r_[np.ones(X), np.full(3 * S + 1, math.inf)], rows)
+        upper = np.r_[np.ones(X), np.full(3 * S, math.inf), 0.0, np.full(S - 1, math.inf), math.inf]
+        return highs_lp(cost, upper, rows)
 
     def drop_by_reduced_cost(self, cutoff_ms: float) -> np.ndarray | None:
         """Solve the LP and delete from HiGHS every stage column that only plans at or above the
@@ -472,7 +522,7 @@ class _PositionsLP:
             return None
         if not math.isfinite(cutoff_ms):
             return everything
-        self.highs.run()
+        work.run(self.highs)
         status = self.highs.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
             return None
@@ -498,7 +548,7 @@ class _PositionsLP:
         X = len(self.position)
         upper = np.where(self.stage_ms <= within_ms, 1.0, 0.0)
         self.highs.changeColsBounds(X, np.arange(X, dtype=np.int32), np.zeros(X), upper)
-        self.highs.run()
+        work.run(self.highs)
         status = self.highs.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
             return math.inf

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -45,6 +44,7 @@ from orchestrator.planner._evaluate import Evaluation, StageSummary, evaluate, s
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._incumbent import Incumbent
 from orchestrator.planner._rebalance import Rebalancer
+from orchestrator.solver import work
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def polish(
 ) -> Incumbent | None:
     """The local optimum reached from the plan (``stages``, ``groups``, ``microbatches``), or None
     when it does not fit. ``score`` is what is minimised (the step time, plus the migration when
-    re-planning); ``deadline`` is a ``time.perf_counter()`` time."""
+    re-planning); ``deadline`` is a ``work.now()`` time."""
     # every plan priced: its score, None when it does not fit (scores only: GPT-175B's search prices
     # hundreds of thousands of plans)
     seen: dict[Candidate, float | None] = {}
@@ -108,20 +108,20 @@ def polish(
 
     def descend(current: Candidate, priced: float) -> tuple[Candidate, float]:
         """Steepest descent from ``current`` (scored ``priced``) to a local optimum (or the deadline)."""
-        while time.perf_counter() < deadline:
+        while work.now() < deadline:
             best = None
             for neighbour in moves.around(current):
                 found = price(neighbour)
                 if found is not None and found < (priced if best is None else best) * (1 - 1e-12):
                     best, best_candidate = found, neighbour
-                if time.perf_counter() >= deadline:
+                if work.now() >= deadline:
                     break
             if best is None:
                 break
             current, priced = best_candidate, best
         return current, priced
 
-    began = time.perf_counter()
+    began = work.now()
     start: Candidate = (tuple(tuple(s) for s in stages), tuple(groups), microbatches)
     if price(start) is None:
         return None
@@ -130,7 +130,7 @@ def polish(
         """First improvement over the stages' device sets swapped two at a time, each with its
         layers cut anew (``_rebalance``), descending from every better plan found."""
         better = True
-        while better and time.perf_counter() < deadline:
+        while better and work.now() < deadline:
             better = False
             for neighbour in moves.reorders(current):
                 found = price(neighbour)
@@ -139,7 +139,7 @@ def polish(
                     better = True
                     log.debug("polish: %.6g ms after a reorder", priced * 1e3)
                     break
-                if time.perf_counter() >= deadline:
+                if work.now() >= deadline:
                     break
         return current, priced
 
@@ -149,10 +149,10 @@ def polish(
     # keeping whichever is better, until the deadline
     rng = random.Random(0)
     kicks = since = 0
-    improved = time.perf_counter()
+    improved = work.now()
     # stop after PATIENCE fruitless kicks, or once the kicks have gone without a better plan for
     # longer than the search took to find the last one (and a second)
-    while (now := time.perf_counter()) < deadline and since < PATIENCE and now - improved <= improved - began + 1.0:
+    while (now := work.now()) < deadline and since < PATIENCE and now - improved <= improved - began + 1.0:
         kicks, since = kicks + 1, since + 1
         kicked = current
         for _ in range(KICK):
@@ -163,7 +163,7 @@ def polish(
             break
         found, found_priced = descend(kicked, price(kicked))
         if found_priced < priced * (1 - 1e-12):
-            current, priced, since, improved = found, found_priced, 0, time.perf_counter()
+            current, priced, since, improved = found, found_priced, 0, work.now()
             log.debug("polish: %.6g ms after %d kicks, %d plans priced", priced * 1e3, kicks, len(seen))
     parts, chosen, M = current
     return Incumbent(priced, evaluation(current), [list(p) for p in parts], list(chosen), M)

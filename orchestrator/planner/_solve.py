@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import logging
 import math
-import time
 from collections.abc import Callable
 
 import pulp
@@ -22,7 +21,7 @@ from orchestrator.planner._incumbent import Incumbent, cutoff_ms
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._pieces import CUT_OFF, Piece, close_beaten
 from orchestrator.planner._workers import PieceWorkers
-from orchestrator.solver import HighsSession, solve
+from orchestrator.solver import HighsSession, solve, work
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ def first_pass(
         else:
             kept.append(piece)
 
-    while (queue or workers.running) and (left := deadline - time.perf_counter()) > workers.overrun_s:
+    while (queue or workers.running) and (left := deadline - work.now()) > workers.overrun_s:
         for piece in list(queue):
             if piece.done:
                 queue.remove(piece)
@@ -69,7 +68,7 @@ def rounds(
     """Solve the open pieces again, weakest bound first, each with a fair share of the time left and
     at least ``options.retry_growth`` times its last try (each try starts over), until all close or
     time is up."""
-    while (left := deadline - time.perf_counter()) > 0.05 + workers.overrun_s:
+    while (left := deadline - work.now()) > 0.05 + workers.overrun_s:
         close_beaten(pieces, best(), gap)
         # weakest bound first; among equal bounds the piece tried least (a stage count never reached
         # beyond its starting bound may close at once where a long-tried one will not)
@@ -142,7 +141,7 @@ def whole(sub: StageModel, best: Incumbent | None, *, gap: float, deadline: floa
     cutoff = None if warm or best is None else cutoff_ms(best, gap)
     if cutoff is not None:
         sub.lp += sub.lp.objective <= cutoff, "better_than_incumbent"
-    result = solve(sub.lp, time_limit_s=max(0.2, deadline - time.perf_counter()), gap=gap, use_start=warm)
+    result = solve(sub.lp, time_limit_s=max(0.2, deadline - work.now()), gap=gap, use_start=warm)
     result = _or_relaxation(result, sub, lambda: _relaxation_bound(sub.lp, time_limit_s=0.5))
     if cutoff is not None and result.status == "Infeasible":
         result = dataclasses.replace(result, status=CUT_OFF, bound=cutoff)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 from orchestrator.cluster import Cluster
@@ -23,6 +22,7 @@ from orchestrator.planner._incumbent import Best, Incumbent
 from orchestrator.planner._polish import polish
 from orchestrator.planner._scope import Scope
 from orchestrator.planner._space import SearchSpace
+from orchestrator.solver import work
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,10 @@ def heuristic(model, space, global_batch, schedule, candidates, max_stages, reco
     others = list(baselines.BASELINES.values())
     for index, run in enumerate(others):  # each gets an equal share of what balanced left
         if deadline is not None:
-            left = deadline - time.perf_counter()
+            left = deadline - work.now()
             if left <= 0:
                 break
-            settings["deadline"] = time.perf_counter() + left / (len(others) - index)
+            settings["deadline"] = work.now() + left / (len(others) - index)
         found.append(run(model, **settings))
     found = [f for f in found if f is not None]
     return min(found, key=lambda f: f.iteration_s) if found else None
@@ -93,7 +93,7 @@ def single_stage(space: SearchSpace, candidates, schedule: str, *, deadline: flo
     least = dict.fromkeys(candidates, math.inf)
     for group in space.groups:
         for M in candidates:
-            if time.perf_counter() >= deadline:
+            if work.now() >= deadline:
                 return OneStage(found, least, complete=False)
             if space.table.microbatch(group, M) is None:
                 continue
@@ -162,11 +162,9 @@ def first_incumbent(
     # that start too (each in its share of the window): a given plan (a re-plan's repair) can sit in
     # a region whose local optimum is worse than the cold start's
     starts = [best.current] + ([cold] if cold is not None and best.current is not cold else [])
-    deadline = min(
-        started + options.polish_by * time_limit_s, time.perf_counter() + options.polish_share * time_limit_s
-    )
+    deadline = min(started + options.polish_by * time_limit_s, work.now() + options.polish_share * time_limit_s)
     for k, found in enumerate(starts if best.current is not None else []):
-        share = time.perf_counter() + (deadline - time.perf_counter()) / (len(starts) - k)
+        share = work.now() + (deadline - work.now()) / (len(starts) - k)
         polished = polish(
             found.stages,
             found.groups,

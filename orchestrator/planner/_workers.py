@@ -17,17 +17,20 @@ the search starts no solve it cannot finish before its deadline (``overrun_s``).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from orchestrator.solver import HighsSession
+from orchestrator.solver import HighsSession, work
 
 # at most this many solves at once (and never more than the machine's cores)
 MAX_WORKERS = 4
 
 
 def default_workers() -> int:
+    """Solves at once: one while the clock counts work (``work``), so the search takes its steps in
+    one order whatever finishes first; else one per core, at most ``MAX_WORKERS``."""
+    if work.counting():
+        return 1
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
@@ -80,11 +83,12 @@ class PieceWorkers:
         self.running[self.pool.submit(prepare(session))] = (piece, session)
 
     def finish_one(self, until: float | None = None) -> list:
-        """Wait for at least one solve to end, or until ``until`` (``time.perf_counter()``); write
+        """Wait for at least one solve to end, or until ``until`` (``work.now()``); write
         back and record each that did; return their pieces."""
         if not self.running:
             return []
-        timeout = None if until is None else max(0.0, until - time.perf_counter())
+        # (counting work, the clock stands still while a solve runs: wait for it to end)
+        timeout = None if until is None or work.counting() else max(0.0, until - work.now())
         done, _ = wait(self.running, timeout=timeout, return_when=FIRST_COMPLETED)
         finished = []
         for future in done:
@@ -99,6 +103,6 @@ class PieceWorkers:
     def drain(self, until: float | None = None) -> list:
         """Wait for every solve under way, or until ``until``; return the pieces that finished."""
         finished = []
-        while self.running and (until is None or time.perf_counter() < until):
+        while self.running and (until is None or work.now() < until):
             finished += self.finish_one(until)
         return finished

@@ -34,7 +34,7 @@ class SolveResult:
       objective: its objective value (inf without a solution).
       bound: the proven lower bound (minimisation).
       gap: (objective − bound) / objective; 0 when proven optimal.
-      solve_s: wall-clock seconds in the solver.
+      solve_s: seconds in the solver (on the work clock while it counts, ``work``).
       values: the solution's column values, from a :class:`HighsSession` (in the order of its
         ``variables``; ``HighsSession.assign`` writes them to the variables); None otherwise.
     """

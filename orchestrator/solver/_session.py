@@ -19,6 +19,7 @@ import time
 
 import pulp
 
+from orchestrator.solver import _work as work
 from orchestrator.solver._highs import SolveResult, _captured_banner, _interrupt_at, certified, load_model
 
 
@@ -69,12 +70,15 @@ class HighsSession:
             h.changeColBounds(var.index, lo, hi)
         for name, (lo, hi) in rows.items():
             h.changeRowBounds(self.rows[name], -inf if lo is None else lo, inf if hi is None else hi)
-        saved = {key: h.getOptionValue(key)[1] for key in options or {}}
-        for key, value in (options or {}).items():
+        # counting work (``work``), the solve ends by its node limit, and wall-clock only caps it
+        options = {**work.limits(time_limit_s), **(options or {})}
+        wall_s = work.wall_limit_s(max(0.01, float(time_limit_s)))
+        saved = {key: h.getOptionValue(key)[1] for key in options}
+        for key, value in options.items():
             h.setOptionValue(key, value)
         # HiGHS measures ``time_limit`` on one clock for the instance's whole life (highspy has no
         # way to reset it): the limit of this solve is its run time so far plus the budget
-        h.setOptionValue("time_limit", h.getRunTime() + max(0.01, float(time_limit_s)))
+        h.setOptionValue("time_limit", h.getRunTime() + wall_s)
         h.setOptionValue("mip_rel_gap", float(gap))
         h.setOptionValue("objective_bound", inf if cutoff is None else float(cutoff))
         if start is not None:
@@ -82,10 +86,10 @@ class HighsSession:
             solution.col_value = list(start)
             solution.value_valid = True
             h.setSolution(solution)
-        began = time.perf_counter()
-        self._deadline = began + max(0.01, float(time_limit_s))
+        began = work.now()
+        self._deadline = time.perf_counter() + wall_s
         try:
-            h.run()
+            work.run(h)
             status = h.modelStatusToString(h.getModelStatus())
             if status == "Interrupted by user":  # only the deadline interrupts
                 status = "Time limit reached"
@@ -112,7 +116,7 @@ class HighsSession:
             objective=objective,
             bound=bound,
             gap=gap_value,
-            solve_s=time.perf_counter() - began,
+            solve_s=work.now() - began,
             values=values,
         )
 

@@ -3,7 +3,6 @@ planner's search space, the sweep over stage and microbatch counts, and its best
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import in_flight
 from orchestrator.planner._space import SearchSpace, microbatch_counts, search_space
 from orchestrator.planner._split import StageCosts, configs_for, configure, fastest_times, min_bottleneck_split
+from orchestrator.solver import work
 
 Blocks = list[tuple[str, int]]  # (device type, devices) per stage
 Proposal = tuple[list[list[int]] | None, list[GroupConfig] | None]  # (split, groups), None where none fits
@@ -66,7 +66,7 @@ class Sweep:
       mixed_stages: also offer groups on two device types (only where ``space`` is not given).
       space: the planner's search space, when the caller has built it.
       stage_counts: the stage counts to try (default: 1..``max_stages``).
-      deadline: a ``time.perf_counter()`` time after which the sweep returns its best so far.
+      deadline: a ``work.now()`` time after which the sweep returns its best so far.
     """
 
     def __init__(
@@ -110,8 +110,8 @@ class Sweep:
         return self._costs[group, M]
 
     def expired(self) -> bool:
-        """Past the deadline (``time.perf_counter()``) the search returns its best so far."""
-        return self.deadline is not None and time.perf_counter() > self.deadline
+        """Past the deadline (``work.now()``) the search returns its best so far."""
+        return self.deadline is not None and work.now() > self.deadline
 
     def best(self, name: str, propose: Callable[[int, int, Blocks], Iterator[Proposal]]) -> BaselinePlan | None:
         """The best plan ``propose(S, M, blocks)`` yields over the stage counts and microbatch counts,
