@@ -67,6 +67,15 @@ def plan_command(
     zero: Annotated[
         bool, typer.Option(help="ZeRO-1: shard optimizer state over each stage's data-parallel replicas.")
     ] = False,
+    memory_headroom: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=90.0,
+            help="Percent of each device's memory a plan leaves free, for what the cost model does not see "
+            "(default: the planner's MEMORY_HEADROOM, 10).",
+        ),
+    ] = None,
     output: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
     trace: Annotated[
         str | None, typer.Option("--trace", help="Simulate the plan and write a Perfetto trace (JSON) here.")
@@ -75,9 +84,10 @@ def plan_command(
 ) -> None:
     """Plan a recipe's (or your --model's) training step on a cluster: stages, devices, TP/DP, microbatches, with a
     certified gap."""
-    from orchestrator.planner import Deadline, PlanInfeasible, PlanNotFound, plan
+    from orchestrator.planner import MEMORY_HEADROOM, Deadline, PlanInfeasible, PlanNotFound, plan
 
     deadline = Deadline.after(time_limit_s, clock=clock)  # the capture counts against the limit too
+    headroom = MEMORY_HEADROOM if memory_headroom is None else memory_headroom / 100
 
     if user_model is not None:
         own = user_model_or_fail(user_model, ctx, recipe_options=("recipe", "seq", "dtype"))
@@ -98,6 +108,7 @@ def plan_command(
                 schedule=schedule,
                 max_stages=max_stages,
                 zero=zero,
+                memory_headroom=headroom,
                 deadline=deadline,
                 progress=show_search(shown),
             )
@@ -108,7 +119,13 @@ def plan_command(
     from orchestrator.cluster import cluster_to_dict
 
     # the cluster travels in the plan, so simulate, report and train --plan read it from any directory
-    source = {"recipe": recipe, "cluster": cluster, "seq": seq, "cluster_spec": cluster_to_dict(spec_cluster)}
+    source = {
+        "recipe": recipe,
+        "cluster": cluster,
+        "seq": seq,
+        "cluster_spec": cluster_to_dict(spec_cluster),
+        "memory_headroom": headroom,
+    }
     if dtype is not None:
         source["dtype"] = dtype
     if user_model is not None:

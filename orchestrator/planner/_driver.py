@@ -37,7 +37,7 @@ from orchestrator.costs import CostModel
 from orchestrator.planner._bounds import column_bounds, packing_bounds
 from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._diagnose import infeasibility_message
-from orchestrator.planner._groups import GroupConfig
+from orchestrator.planner._groups import MEMORY_HEADROOM, GroupConfig
 from orchestrator.planner._incumbent import Best
 from orchestrator.planner._make_plan import make_plan
 from orchestrator.planner._migration import Migration
@@ -71,6 +71,7 @@ def plan(
     migration: Migration | None = None,
     zero: bool = False,
     mixed_stages: bool | None = None,
+    memory_headroom: float = MEMORY_HEADROOM,
     options: SearchOptions | None = None,
     deadline: Deadline | None = None,
     progress: Observer | None = None,
@@ -114,6 +115,8 @@ def plan(
         with its own batch share (``_groups``, ``CostTable``). None (default): on clusters of at
         most ``options.mixed_hosts`` hosts. The executor runs one SPMD program per stage, which
         cannot give replicas uneven shares: plan with False to execute.
+      memory_headroom: the share of each device's memory a plan leaves free (``MEMORY_HEADROOM``,
+        10%): a stage may fill capacity × (1 − memory_headroom) per device.
       options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
       deadline: when given, the wall-clock cap of the call (a :class:`Deadline` that started
         earlier, e.g. with a command that captured the model first; the work budget is then at
@@ -140,6 +143,8 @@ def plan(
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if not 0.0 <= memory_headroom < 1.0:
+        raise ValueError(f"memory_headroom must be in [0, 1), got {memory_headroom!r}")
     # the steps share ``time_limit_s`` of counted solver work (``work``), the same steps however busy
     # the machine; the wall clock only caps it (``deadline``, or far above the budget)
     if deadline is not None:
@@ -148,7 +153,9 @@ def plan(
     started = time.perf_counter()
     options = options or SearchOptions()
     mixed = options.offers_mixed(model.cluster, mixed_stages)
-    space = search_space(model, global_batch, recompute=recompute, zero=zero, mixed=mixed)
+    space = search_space(
+        model, global_batch, recompute=recompute, zero=zero, mixed=mixed, memory_headroom=memory_headroom
+    )
     max_stages = min(max_stages or 16, space.layers, len(model.cluster.devices()))
     candidates = microbatch_counts(global_batch, microbatch_candidates)
     log.debug(
