@@ -52,9 +52,10 @@ def _strip_einsum(scope: str) -> str:
     return "/".join(part for part in scope.split("/") if "->" not in part)
 
 
-def match_level(jaxpr: jcore.Jaxpr, consts=(), path: tuple[str, ...] = ()) -> list[Match]:
-    """Matches at one jaxpr level (nested bodies not entered)."""
-    g = Graph(jaxpr, consts)
+def match_level(jaxpr: jcore.Jaxpr, consts=(), path: tuple[str, ...] = (), known: dict | None = None) -> list[Match]:
+    """Matches at one jaxpr level (nested bodies not entered); ``known``: inputs of the level that
+    are constants computed outside it (``Const`` s by var)."""
+    g = Graph(jaxpr, consts).assuming(known) if known else Graph(jaxpr, consts)
     found: list[Match] = []
     for i, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
@@ -142,8 +143,9 @@ def find(closed: jcore.ClosedJaxpr) -> list[Match]:
     return _find(closed.jaxpr, closed.consts, ())
 
 
-def _find(jaxpr, consts, path) -> list[Match]:
-    found = match_level(jaxpr, consts, path)
+def _find(jaxpr, consts, path, known=None) -> list[Match]:
+    found = match_level(jaxpr, consts, path, known)
+    outer = None
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _BODIES:
             key, label = _BODIES[eqn.primitive.name]
@@ -153,7 +155,13 @@ def _find(jaxpr, consts, path) -> list[Match]:
             inner, inner_consts = (body.jaxpr, body.consts) if hasattr(body, "jaxpr") else (body, ())
             if label in ("custom_vjp", "custom_jvp"):  # not flattened by the rewrite: inline its jits to match
                 inner, inner_consts = _flattened(inner, inner_consts)
-            sub = _find(inner, inner_consts, (*path, label))
+            inner_known = None
+            if label in ("scan", "remat"):  # a mask built outside from iota stays a constant inside
+                outer = outer or (Graph(jaxpr, consts).assuming(known) if known else Graph(jaxpr, consts))
+                n = eqn.params["num_consts"] if label == "scan" else len(eqn.invars)
+                pairs = zip(inner.invars[:n], eqn.invars[:n])
+                inner_known = {v: c for v, x in pairs if (c := outer.const(x)) is not None}
+            sub = _find(inner, inner_consts, (*path, label), inner_known)
             if label in ("custom_vjp", "custom_jvp"):  # reported; rewriting would drop the user's derivative rule
                 sub = [
                     Match(

@@ -202,7 +202,7 @@ class Graph:
             e = self.eqn(x)
             if e is not None:
                 stack.extend(e.invars)
-            elif x in inputs:
+            elif x in inputs and x not in self._consts:
                 found.append(x)
         return found
 

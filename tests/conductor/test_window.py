@@ -251,3 +251,24 @@ def test_the_band_read_from_a_mask_keeps_exactly_its_pairs(seq, left, right, pre
     read = Band.of(causal=d["causal"], window=d["window"], prefix=d["prefix"], seq_q=seq, seq_k=seq)
     kept = read.keep(pos[:, None], pos[None, :])
     np.testing.assert_array_equal(np.ones((seq, seq), bool) if kept is None else np.asarray(kept), keep)
+
+
+def test_a_mask_built_outside_a_scan_or_remat_body_is_read_inside():
+    def layers(q, k, v):  # the band is built once, outside the scanned and rematerialised block
+        pos = jnp.arange(q.shape[1])
+        diff = pos[:, None] - pos[None, :]
+        keep = (diff >= 0) & (diff < WINDOW)
+
+        @jax.checkpoint
+        def block(x, keep):
+            return _attend(jnp.where(keep, _scores(x, k), -jnp.inf), v)
+
+        return jax.lax.scan(lambda x, _: (block(x, keep), None), q, None, length=2)[0]
+
+    q, k, v, w = _qkvw(seq=256, heads=2, kv_heads=2, head_dim=16)
+    ((match, decision),) = conductor.inspect(layers, q, k, v, policy=FORCE)
+    assert match.path == ("scan", "remat") and match.rewritable and decision.rewrite
+    assert (match.details["kind"], match.details["window"]) == ("sliding_window", WINDOW)
+    fast = conductor.optimize(layers, policy=FORCE)
+    assert max_abs_diff(fast(q, k, v), layers(q, k, v)) <= 2e-6
+    assert max_abs_diff(jax.jit(lambda *xs: _grads(fast, *xs))(q, k, v, w), _grads(layers, q, k, v, w)) <= 1e-5
