@@ -26,6 +26,12 @@ def conductor_command(
     ] = False,
 ) -> None:
     """Attention and selective-scan rewrites: compiled memory, numerics, CPU time, TPU/CUDA lowering; exit 1 on a miss."""
+    import os
+
+    flag = "--xla_force_host_platform_device_count"
+    if "jax" not in sys.modules and flag not in os.environ.get("XLA_FLAGS", ""):
+        # the ring-attention cases run on 8 virtual CPU devices (on fewer, the rings that fit)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}=8".strip()
     from orchestrator.bench import conductor_claims
 
     console = Console(stderr=True)

@@ -23,3 +23,10 @@ def test_bench_conductor_quick_json():
     assert len(spellings) == 4  # fp32 and bf16, MHA and GQA
     for case in spellings:  # found, rewritten by default, and smaller already at T=1024
         assert case["rewritten_by_default"] and case["rewritten_temp_bytes"] < case["written_temp_bytes"], case
+    rings = {name: c for name, c in cases.items() if name.startswith("ring_")}
+    assert rings["ring_order_two_hosts"]["ok"] and rings["ring_order_two_hosts"]["inter_host_crossings"] == 2
+    for name, case in rings.items():  # numerics, permute bytes, memory and balance at T=1024 on rings of 2 and 4
+        assert case["ok"], (name, case)
+    assert {"ring_numerics_cp4_T1024_causal_gqa", "ring_permute_bytes_cp4_T1024", "ring_balance_cp4_T1024"} <= set(
+        rings
+    )
