@@ -140,6 +140,8 @@ def _walk_to_scores(g: Graph, s):
         elif name in ("add", "sub"):
             consts = [g.const(x) for x in e.invars]
             k = 1 if consts[1] is not None or name == "sub" else 0
+            if name == "add" and consts[0] is None and consts[1] is None:  # scores + bias in either order
+                k = 1 if isinstance(_walk_to_scores(g, e.invars[0]), tuple) else 0
             bias = consts[k]
             if bias is None:
                 steps.append(("input bias", g, e.invars[k], np.negative if name == "sub" else None, shape))
@@ -413,7 +415,7 @@ def _read_band(masks, t, key, sizes) -> Band | str:
         return "some diagonal i − j is kept in part (not a function of i − j)"
     d = np.arange(len(kept)) - (n_s - 1)
     if not whole.any():
-        return "it keeps only a prefix of keys"
+        return "it keeps only a prefix of keys" if prefix else "it keeps no key"
     lo, hi = int(d[whole].min()), int(d[whole].max())
     if np.any(none & (d > lo) & (d < hi)):
         return "the kept diagonals i − j are not one interval"
@@ -487,4 +489,6 @@ def _input_mask_problem(step, labels, masks, q_labels, key, sizes) -> str:
             f"{what} computed from inputs: a whole (T, S) {what} passed in (to the step, or to the scan body "
             "it sits in) is not read; build it in the same body from positions (jnp.arange, jnp.tril)"
         )
-    return f"{what} computed from inputs: it depends on the data (e.g. a padding mask), which no kernel here takes"
+    if kind == "input bias":
+        return "bias computed from inputs: a learned or data-dependent bias, which no kernel here takes"
+    return "mask computed from inputs: it depends on the data (e.g. a padding mask), which no kernel here takes"

@@ -272,3 +272,15 @@ def test_a_mask_built_outside_a_scan_or_remat_body_is_read_inside():
     fast = conductor.optimize(layers, policy=FORCE)
     assert max_abs_diff(fast(q, k, v), layers(q, k, v)) <= 2e-6
     assert max_abs_diff(jax.jit(lambda *xs: _grads(fast, *xs))(q, k, v, w), _grads(layers, q, k, v, w)) <= 1e-5
+
+
+def test_a_learned_bias_is_reported_as_such():
+    def alibi(q, k, v, slopes):  # per-head slopes (parameters) times the distance: a bias, not a mask
+        pos = jnp.arange(q.shape[1])
+        bias = -slopes[:, None, None] * jnp.abs(pos[:, None] - pos[None, :])
+        return _attend(_scores(q, k) + bias, v)
+
+    q, k, v, _ = _qkvw(seq=64, heads=2, kv_heads=2, head_dim=16)
+    ((match, decision),) = conductor.inspect(alibi, q, k, v, jnp.ones(2), policy=FORCE)
+    assert not match.rewritable and not decision.rewrite
+    assert decision.reason == "bias computed from inputs: a learned or data-dependent bias, which no kernel here takes"
