@@ -25,7 +25,14 @@ from jax import lax
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Band:
-    """The keys each query keeps (see the module docstring); hashable, a static kernel argument."""
+    """The keys each query keeps (see the module docstring); hashable, a static kernel argument.
+
+    Example:
+        >>> Band.of(causal=True, window=64, seq_q=1024, seq_k=1024)
+        Band(left=63, right=0, prefix=0)
+        >>> Band.of(causal=True, window=64, seq_q=1024, seq_k=1024).visited_blocks(1024, 1024, 64, 64)
+        31
+    """
 
     left: int | None = None
     right: int | None = None
