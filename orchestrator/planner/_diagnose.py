@@ -23,10 +23,15 @@ def binding_notes(
     notes = []
     S = len(stages)
     bottleneck = max(range(S), key=lambda s: ev.stage_time_s[s])
-    if S > 1:
+    if S > 1 and microbatches > 1:
         notes.append(
             f"bottleneck: stage {bottleneck} ({ev.stage_time_s[bottleneck] * 1e3:.3g} ms per microbatch) sets the pace "
-            f"of the {microbatches - 1} steady-state microbatches"
+            f"of the {microbatches - 1} steady-state microbatch{'es' if microbatches > 2 else ''}"
+        )
+    elif S > 1:
+        notes.append(
+            f"one microbatch: the {S} stages run one after another, none overlapping; stage {bottleneck} is the "
+            f"slowest ({ev.stage_time_s[bottleneck] * 1e3:.3g} ms)"
         )
     for s, (layers, group) in enumerate(zip(stages, groups)):
         if group.mixed:
