@@ -79,11 +79,12 @@ def search_space(
     memory_headroom: float = MEMORY_HEADROOM,
     sequence_parallel: bool = False,
     selective_recompute: bool = False,
+    overlap_param_gather: bool = False,
 ) -> SearchSpace:
     """``mixed``: also offer groups that join hosts of two device types (``_groups``);
     ``sequence_parallel``: price every TP group with sequence parallelism (for pricing a given
     configuration: the executors do not run it, so ``plan()`` never asks for it); likewise
-    ``selective_recompute``."""
+    ``selective_recompute`` and ``overlap_param_gather``."""
     infos = type_infos(model.cluster, memory_headroom=memory_headroom)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
@@ -102,6 +103,7 @@ def search_space(
             links=links,
             sequence_parallel=sequence_parallel,
             selective_recompute=selective_recompute,
+            overlap_param_gather=overlap_param_gather,
         ),
         links=with_mixed_links(links, groups),
         runs=layer_runs(keys),
