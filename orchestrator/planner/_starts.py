@@ -141,6 +141,9 @@ def first_incumbent(
     space, schedule = best.space, best.schedule
     candidates, max_stages, options = scope.candidates, scope.max_stages, scope.options
     window = started + options.start_share * time_limit_s
+    # the first plans priced fill the space's cost table, one (run, group) cell at a time: that work
+    # counts against the budget before any of them (a budget below it finds no plan)
+    work.charge(work.CELL_S * len(space.runs) * len(space.groups))
     start = heuristic(model, space, global_batch, schedule, candidates, max_stages, recompute, deadline=window)
     if start is not None:
         ev = best.evaluate(start.stages, start.groups, start.microbatches)

@@ -115,10 +115,12 @@ def run(highs) -> None:
 
 def limits(seconds: float) -> dict:
     """HiGHS options that end a MIP given ``seconds`` (nominal) by its work when counting: a node
-    limit. Empty when not counting (its time limit ends it)."""
+    limit, and no feasibility jump (a primal heuristic run before the first node, which no node
+    limit stops and which can run for minutes on a model a node limit keeps to a second). Empty when
+    not counting (its time limit ends it)."""
     if _active is None:
         return {}
-    return {"mip_max_nodes": max(1, int(seconds * NODES_PER_S))}
+    return {"mip_max_nodes": max(1, int(seconds * NODES_PER_S)), "mip_heuristic_run_feasibility_jump": False}
 
 
 def wall_cap_s(seconds: float) -> float:
