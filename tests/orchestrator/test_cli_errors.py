@@ -108,7 +108,8 @@ def test_unreadable_cluster_and_plan_files_are_one_line(tmp_path):
 
 def test_infeasible_plan_under_json_prints_the_error_on_stdout(tmp_path):
     path = _cluster_file(tmp_path, lambda d: d["device_types"]["a"].update(memory_bytes=1000))
-    one_line_error(["plan", "--recipe", "gpt-tiny", "--cluster", str(path), "--time-limit-s", "5"], "")
+    # a limit the diagnosis never reaches, so the text and the JSON runs say the same on a busy machine
+    one_line_error(["plan", "--recipe", "gpt-tiny", "--cluster", str(path), "--time-limit-s", "120"], "")
 
 
 def test_a_plan_simulates_and_reports_from_any_directory(tmp_path, monkeypatch):
