@@ -32,7 +32,7 @@ BLOCKS = AttentionBlockSizes(block_q=128, block_k=128)
 HEAD_DIM = 16
 
 
-def _full_attention(q, k, v, *, causal: bool):
+def full_attention(q, k, v, *, causal: bool):
     """softmax(QKᵀ/√D + mask) V computed whole, a query chunk at a time (exact; K/V heads shared)."""
     b, t, h, d = q.shape
     k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
@@ -76,7 +76,7 @@ def numerics_case(n: int, seq: int, *, causal: bool, heads: int, kv_heads: int) 
     k, v = (jax.random.normal(key, (1, seq, kv_heads, HEAD_DIM)) for key in ks[1:3])
     w = jax.random.normal(ks[3], q.shape)
     out, grads = _value_and_grads(_ring_fn(mesh, n, causal), w)(q, k, v)
-    ref, ref_grads = _value_and_grads(lambda q, k, v: _full_attention(q, k, v, causal=causal), w)(q, k, v)
+    ref, ref_grads = _value_and_grads(lambda q, k, v: full_attention(q, k, v, causal=causal), w)(q, k, v)
     errors = [float(jnp.max(jnp.abs(a - b))) for a, b in zip((out, *grads), (ref, *ref_grads))]
     kind = "gqa" if kv_heads < heads else "mha"
     return Claim(

@@ -8,28 +8,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from conductor.kernels import AttentionBlockSizes
 from conductor.kernels.ring import context_parallel_attention_shard, from_layout, ring_attention, to_layout
+from orchestrator.bench._ring import full_attention
 
 BLOCKS = AttentionBlockSizes(block_q=256, block_k=256)
-
-
-def full_attention(q, k, v, *, causal):
-    """softmax(Q Kᵀ/√D + mask) V with every query's whole score row, a query chunk at a time (exact)."""
-    b, t, h, d = q.shape
-    k = jnp.repeat(k, h // k.shape[2], axis=2)
-    v = jnp.repeat(v, h // v.shape[2], axis=2)
-    chunk = min(t, 1024)
-
-    @jax.checkpoint
-    def rows(args):
-        start, q_c = args  # (B, chunk, H, D)
-        s = jnp.einsum("bthd,bshd->bhts", q_c, k) * d**-0.5
-        if causal:
-            s = jnp.where(start + jnp.arange(chunk)[:, None] >= jnp.arange(t)[None, :], s, -jnp.inf)
-        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
-
-    q_chunks = q.reshape(b, t // chunk, chunk, h, d).transpose(1, 0, 2, 3, 4)
-    out = jax.lax.map(rows, (jnp.arange(0, t, chunk), q_chunks))
-    return out.transpose(1, 0, 2, 3, 4).reshape(b, t, h, d)
 
 
 def _inputs(t, heads, kv_heads, head_dim=16, batch=1):
