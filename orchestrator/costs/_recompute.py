@@ -53,14 +53,15 @@ def attention_core(graph: OpGraph, ops: Iterable[str], from_batch: Callable[[str
         and all(from_batch(p) for p in preds)
     ]
     core: set[str] = set()
-    last: set[str] = set()
+    starts: set[str] = set()
+    ends: set[str] = set()
     for a in matmuls:
         below = nx.descendants(sub, a)
         for b in matmuls:
             if b in below:
                 core |= {a, b} | (nx.ancestors(sub, b) & below)
-                last.add(b)
+                starts.add(a)
+                ends.add(b)
     # a matmul that starts a later pair is dropped even if it ends an earlier one
-    starts = {a for a in matmuls if any(b in nx.descendants(sub, a) for b in matmuls)}
-    kept = last - starts
+    kept = ends - starts
     return AttentionCore(ops=frozenset(core), dropped=frozenset(core - kept))
