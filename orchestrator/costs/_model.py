@@ -158,9 +158,9 @@ class CostModel:
         ``optimizer_s``, as Megatron-LM runs it (its mixed-precision optimizer refreshes a bf16 copy
         of the weights after each update) and as XLA runs a gradient-accumulation loop (it hoists
         loop-invariant casts out of the loop). The ZeRO parameter all-gather then moves that
-        compute-dtype copy, as Megatron-LM's distributed optimizer does. False (the default): once per microbatch, as the
-        per-microbatch stage programs of ``integrations.flax.Pipeline`` run it. A measured layer's
-        forward and backward keep their measured times either way.
+        compute-dtype copy, as Megatron-LM's distributed optimizer does. False (the default): once
+        per microbatch, as the per-microbatch stage programs of ``integrations.flax.Pipeline`` run
+        it. A measured layer's forward and backward keep their measured times either way.
     """
 
     def __init__(
