@@ -41,7 +41,7 @@ from collections import Counter
 
 from orchestrator.planner._driver import plan
 from orchestrator.planner._evaluate import evaluate
-from orchestrator.planner._groups import GroupConfig, stage_group
+from orchestrator.planner._groups import MEMORY_HEADROOM, GroupConfig, stage_group
 from orchestrator.planner._ilp import in_flight, simple_bound_s
 from orchestrator.planner._incumbent import Best, Incumbent
 from orchestrator.planner._make_plan import make_plan
@@ -245,6 +245,7 @@ def replan(
     widen: bool = True,
     certify: bool = True,
     mixed_stages: bool | None = None,
+    memory_headroom: float | None = None,
 ) -> Plan:
     """A new plan for ``model`` (a changed cluster or changed costs), reusing ``previous``.
 
@@ -260,12 +261,17 @@ def replan(
     (``_migration``); None leaves it out. ``solve_s`` of the result covers the whole re-plan;
     its first note says what was lost, how the plan changed and the predicted step time
     before and after. ``mixed_stages`` as for :func:`plan` (the executor's callers pass False).
+    ``memory_headroom`` as for :func:`plan`; None keeps the previous plan's (the one its
+    ``source`` records, else ``MEMORY_HEADROOM``), so a re-plan fills devices no fuller than the
+    plan it replaces.
 
     Raises:
       PlanInfeasible, PlanNotFound: as :func:`plan`, when neither the repair nor the full
         search finds a plan.
     """
     mixed_stages = SearchOptions().offers_mixed(model.cluster, mixed_stages)
+    if memory_headroom is None:
+        memory_headroom = previous.source.get("memory_headroom", MEMORY_HEADROOM)
     started = time.perf_counter()
     settings = {
         "global_batch": global_batch or previous.global_batch,
@@ -276,6 +282,7 @@ def replan(
         "recompute": recompute,
         "zero": any(stage.zero for stage in previous.stages),  # the new plan trains as the old one did
         "mixed_stages": mixed_stages,
+        "memory_headroom": memory_headroom,
     }
     key = fingerprint(
         model,
@@ -290,7 +297,12 @@ def replan(
     if key in _CACHE:
         return _CACHE[key]
     space = search_space(
-        model, settings["global_batch"], recompute=recompute, zero=settings["zero"], mixed=mixed_stages
+        model,
+        settings["global_batch"],
+        recompute=recompute,
+        zero=settings["zero"],
+        mixed=mixed_stages,
+        memory_headroom=memory_headroom,
     )
     candidates = microbatch_counts(settings["global_batch"], microbatch_candidates)
     ordered = sorted(candidates, key=lambda m: (m != previous.microbatches, -m))  # the previous M first

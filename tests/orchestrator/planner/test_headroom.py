@@ -1,9 +1,11 @@
 """Memory headroom: a plan fills at most capacity × (1 − headroom) of each device, 10% kept free by default."""
 
+import dataclasses
+
 import pytest
 
 from orchestrator.bench._synthetic import SyntheticCosts, SyntheticLayer, synthetic_cluster
-from orchestrator.planner import MEMORY_HEADROOM, PlanInfeasible, plan, usable_memory_bytes
+from orchestrator.planner import MEMORY_HEADROOM, PlanInfeasible, plan, replan, usable_memory_bytes
 
 # 2 GB of parameters: 8 GB with gradients and two optimizer states, on one device
 BLOCK = SyntheticLayer(flops=4e12, param_bytes=2e9, activation_per_sample=0.5e9, output_per_sample=0.05e9)
@@ -35,3 +37,17 @@ def test_every_stage_of_a_default_plan_stays_within_the_usable_memory():
     found = plan(model, global_batch=64, time_limit_s=10)
     for stage in found.stages:
         assert stage.memory_bytes <= usable_memory_bytes(40e9, MEMORY_HEADROOM) * (1 + 1e-9)
+
+
+def test_a_replan_keeps_the_headroom_its_previous_plan_was_made_with():
+    model = _one_device(8.9)
+    fits = dataclasses.replace(
+        plan(model, global_batch=1, memory_headroom=0.0, time_limit_s=10), source={"memory_headroom": 0.0}
+    )
+    again = replan(fits, model, time_limit_s=10)
+    assert 8.0e9 < again.stages[0].memory_bytes <= 8.9e9
+    with pytest.raises(PlanInfeasible, match="memory constraint binds"):
+        replan(fits, model, time_limit_s=10, memory_headroom=MEMORY_HEADROOM)
+    unrecorded = dataclasses.replace(fits, source={})  # no record: the default headroom
+    with pytest.raises(PlanInfeasible, match="memory constraint binds"):
+        replan(unrecorded, model, time_limit_s=10)
