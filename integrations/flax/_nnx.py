@@ -9,11 +9,72 @@ optimizer moment with its parameter. The step merges, runs the user's nnx step
 ``optimizer.update``) and splits again. Single-stage plans only: the pipeline's
 per-stage update needs ``apply_gradients``, so ``orchestrate`` plans these
 states on one stage (:mod:`integrations.flax._stagewise`).
+
+nnx modules open no name scope of their own, so the step runs each submodule's ``__call__``
+inside ``jax.named_scope`` of its attribute name (``blocks_3`` for item 3 of a list
+``blocks``, the class name for the root), as linen does: capture then sees module scopes and the
+coarsener cuts layers per module, not by FLOP balance alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+
+def scope_name(path: tuple) -> str:
+    """The name scope of the submodule at graph ``path``: its attribute name, with the index
+    of a list item appended (``("blocks", 3)`` → ``blocks_3``), as linen names them."""
+    *_, parent, last = ("", *path)
+    return f"{parent}_{last}" if isinstance(last, int) else str(last)
+
+
+_SCOPE = "_orchestrator_scope"
+
+
+@contextlib.contextmanager
+def module_scopes(model) -> Iterator[None]:
+    """While open, each nnx submodule of ``model`` called runs inside ``jax.named_scope`` of its
+    :func:`scope_name` (the root: its class name).
+
+    Each submodule gets its name as a static attribute, so the copies nnx transforms make
+    (``nnx.value_and_grad`` splits and merges the model) carry it too; the classes' ``__call__``
+    are wrapped for the duration and restored after. Modules without the attribute (outside
+    ``model``) are untouched, and a subclass calling ``super().__call__`` opens its scope once.
+    """
+    import jax
+    from flax import nnx
+
+    modules = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
+    for path, node in modules:
+        object.__setattr__(node, _SCOPE, scope_name(path) if path else type(node).__name__)
+    classes = {cls for _, node in modules for cls in type(node).__mro__ if "__call__" in vars(cls)}
+    inside: set[int] = set()
+
+    def wrap(call):
+        @functools.wraps(call)
+        def scoped(self, *args, **kwargs):
+            name = getattr(self, _SCOPE, None)
+            if name is None or id(self) in inside:
+                return call(self, *args, **kwargs)
+            inside.add(id(self))
+            try:
+                with jax.named_scope(name):
+                    return call(self, *args, **kwargs)
+            finally:
+                inside.discard(id(self))
+
+        return scoped
+
+    saved = {cls: vars(cls)["__call__"] for cls in classes if cls is not object}
+    try:
+        for cls, call in saved.items():
+            cls.__call__ = wrap(call)
+        yield
+    finally:
+        for cls, call in saved.items():
+            cls.__call__ = call
 
 
 def from_nnx(
@@ -54,7 +115,8 @@ def from_nnx(
 
     def train_step(state: dict, batch):
         model, optimizer = nnx.merge(graphdef, state["params"], state["opt_state"])
-        metrics = step(model, optimizer, batch)
+        with module_scopes(model):
+            metrics = step(model, optimizer, batch)
         _, new_params, new_rest = nnx.split((model, optimizer), nnx.Param, ...)
         return {"params": new_params, "opt_state": new_rest}, metrics if isinstance(metrics, dict) else {
             "loss": metrics

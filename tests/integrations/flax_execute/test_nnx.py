@@ -8,8 +8,11 @@ import pytest
 from flax import nnx
 
 from integrations.flax import compile_step, from_nnx, orchestrate, shard
+from integrations.flax._capture import capture
+from integrations.flax._nnx import scope_name
 from integrations.flax._shard import leaf_params
 from orchestrator.bench.executor import check_plan
+from orchestrator.coarsen import coarsen
 
 
 class MLP(nnx.Module):
@@ -79,3 +82,49 @@ def test_from_nnx_takes_a_loss_or_a_step():
     for kwargs in ({}, {"loss_fn": loss_fn, "step": user_step}):
         with pytest.raises(ValueError, match="one of them"):
             from_nnx(model, optimizer, **kwargs)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(16, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.out(nnx.gelu(self.fc(x)))
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs, blocks=3):
+        self.embed = nnx.Linear(8, 16, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
+        self.head = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("written", ["loss_fn", "step"])
+def test_an_nnx_model_is_cut_into_one_layer_per_module_like_linen(written):
+    model = Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    state, step = from_nnx(model, optimizer, **({"loss_fn": loss_fn} if written == "loss_fn" else {"step": user_step}))
+    batch = {"x": jax.ShapeDtypeStruct((16, 8), jnp.float32), "y": jax.ShapeDtypeStruct((16,), jnp.float32)}
+    layers = coarsen(capture(step, state, batch))
+    assert [layer.name for layer in layers.layers] == [
+        "Net/embed",
+        "Net/blocks_0",
+        "Net/blocks_1",
+        "Net/blocks_2",
+        "Net/head",
+    ]
+    assert Block.__call__.__qualname__ == "Block.__call__"  # the scopes are gone once traced
+    assert not hasattr(model.blocks[0], "_orchestrator_scope")  # the user's model is left as it was
+
+
+def test_scope_names_follow_linen():
+    assert scope_name(("blocks", 3)) == "blocks_3"
+    assert scope_name(("blocks", 3, "attn")) == "attn"
+    assert scope_name(("head",)) == "head"
