@@ -3,7 +3,7 @@
 Each claim's external truth is XLA's or exact arithmetic: outputs and gradients against full
 attention computed whole (fp32), per-device temp memory from ``memory_analysis()`` of the compiled
 gradient, the collective-permute bytes read from the compiled HLO against the kernels' own
-prediction (``ring_permute_bytes``), the causal work per device with and without the zigzag layout
+prediction (``orchestrator.costs.ring_permute_bytes``), the causal work per device with and without the zigzag layout
 (counted from the tiles the kernels run), and the ring order's link crossings on a two-host cluster.
 """
 
@@ -18,15 +18,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conductor.kernels import AttentionBlockSizes
-from conductor.kernels.ring import (
-    attention_flops_per_device,
-    block_bytes,
-    from_layout,
-    ring_attention,
-    ring_permute_bytes,
-    to_layout,
-)
+from conductor.kernels.ring import attention_flops_per_device, from_layout, ring_attention, to_layout
 from orchestrator.bench._conductor import Claim
+from orchestrator.costs import block_bytes, ring_permute_bytes
 
 BLOCKS = AttentionBlockSizes(block_q=128, block_k=128)
 HEAD_DIM = 16

@@ -1,6 +1,15 @@
 """Cost model: per-layer time, memory and communication on each device type and parallel configuration."""
 
 from orchestrator.costs._collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from orchestrator.costs._context import (
+    ContextParallelChoice,
+    ContextParallelCost,
+    Form,
+    block_bytes,
+    choose_context_parallel,
+    context_parallel_cost,
+    ring_permute_bytes,
+)
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import Liveness, liveness, traffic_bytes
 from orchestrator.costs._model import CostModel, LayerCost, ParallelConfig
@@ -21,8 +30,11 @@ __all__ = [
     "DEFAULT_LOGICAL_AXIS_RULES",
     "EFFICIENCY_CLASSES",
     "MODEL_AXIS",
+    "ContextParallelChoice",
+    "ContextParallelCost",
     "CostModel",
     "Efficiency",
+    "Form",
     "LayerCost",
     "Liveness",
     "LogicalAxisRules",
@@ -31,6 +43,9 @@ __all__ = [
     "all_gather_s",
     "all_reduce_s",
     "batch_independent_ops",
+    "block_bytes",
+    "choose_context_parallel",
+    "context_parallel_cost",
     "liveness",
     "logical_to_mesh_axes",
     "op_terms",
@@ -38,6 +53,7 @@ __all__ = [
     "p2p_s",
     "param_role",
     "reduce_scatter_s",
+    "ring_permute_bytes",
     "sharded_dim",
     "synced_gradient_bytes",
     "tensor_parallel_axes",

@@ -8,12 +8,19 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
     backward          += forward  when the layer recomputes its forward pass
                       += forward of its core attention under selective recompute (``_recompute``)
     TP communication  = Σ_{all-reduced op ∈ ℓ} AR(bytes(op) · m/B, t)       (forward again under recompute)
+    context parallel  = under degree n (``ParallelConfig.context_parallel``) each device holds T/n of every
+                        sequence: every op working on the batch does the work of m/n samples (the attention's
+                        too: the zigzag layout gives each device 1/n of the causal pairs), keeps m/n samples'
+                        activations and sends m/n samples' output; attention layers pass K/V around the ring
+                        and expose what the block computation does not hide (``_context``); the gathered
+                        or arriving K/V blocks add to the transient memory
     DP gradient sync  = AR(G, p)  or  RS(G, p) + AG(P, p)   with G = local gradient bytes, one per
                         contribution (a tied parameter read by two layers counts in both; a table read at
                         batch-independent rows only those rows, see ``_gradients``), P = parameters
-                        (in the dtype the forward casts them to under ``weights_once``)
+                        (in the dtype the forward casts them to under ``weights_once``); p = dp·n, since the
+                        n context-parallel ranks hold the same parameters and reduce their gradients too
     parameters        = Σ_params bytes · (1/t if TP-sharded);   gradients the same
-    optimizer state   = parameters · (optimizer bytes / parameter bytes) · (1/p under ZeRO)
+    optimizer state   = parameters · (optimizer bytes / parameter bytes) · (1/p under ZeRO, p = dp·n)
     activations       = bytes live at the forward→backward boundary, per in-flight microbatch
                         (only the layer's input under recompute; without the core attention's
                         values under selective recompute)
@@ -42,6 +49,7 @@ from typing import Literal
 from orchestrator.cluster import Cluster, Link
 from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
+from orchestrator.costs._context import BACKWARD_RATIO, Form, context_parallel_cost
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, liveness, traffic_bytes
 from orchestrator.costs._recompute import AttentionCore, attention_core
@@ -80,6 +88,15 @@ class ParallelConfig:
     all-gather runs while the next step's first microbatch computes the layers before it
     (Megatron-Core's ``--overlap-param-gather``): only the part longer than the layer's own
     forward is exposed.
+
+    ``fsdp``: ZeRO-3 (fully sharded data parallelism): parameters, gradients and optimizer state
+    are all split over the data-parallel replicas; each layer's parameters are all-gathered where
+    it runs and its gradients reduce-scattered, so the sync is priced as under ``zero``, the
+    stored state is 1/p, and the gathered parameters and full-size gradients are transient.
+
+    ``context_parallel``: n, the devices each sequence is split over (the zigzag layout, attention
+    as ring or all-gather attention, ``_context``); the group holds tp·n·dp devices, the n ranks of
+    a replica the same parameters and samples.
     """
 
     tp: int = 1
@@ -92,9 +109,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     selective_recompute: bool = False
     overlap_param_gather: bool = False
+    fsdp: bool = False
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "microbatch_size"):
+        for name in ("tp", "dp", "microbatch_size", "context_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -119,6 +138,9 @@ class LayerCost:
     # of forward_s + backward_s, the part that does not shrink with the microbatch or the TP degree
     # (measured per-call and per-op costs, ``LayerTiming.forward_fixed_s``); 0 where not measured
     fixed_s: float = 0.0
+    # context parallelism's exposed K/V communication (forward + backward) and the form it runs in
+    cp_comm_s: float = 0.0
+    cp_form: Form | None = None
     breakdown: Mapping[str, float] = field(default_factory=dict)
 
     def memory_bytes(self, in_flight_microbatches: int = 1) -> float:
@@ -250,13 +272,28 @@ class CostModel:
             lambda: tensor_parallel_traits(self.graph, self.param_axes, self.axis_rules, tp),
         )
 
-    def _scale(self, name: str, tp: int, microbatch: int, sp: bool = False) -> float:
+    def _scale(self, name: str, tp: int, microbatch: float, sp: bool = False) -> float:
         traits = self.traits_for(tp)
         split = name in traits.split_ops or traits.roles[name] == "sharded"
         s = 1.0 / tp if split or (sp and self._batch_dependent[name]) else 1.0
         if self._batch_dependent[name]:
             s *= microbatch / self.batch_size
         return s
+
+    def sequence_split_ops(self, tp: int) -> frozenset[str]:
+        """The ops sequence parallelism splits over the ``tp`` ranks along the sequence: those
+        tensor parallelism leaves whole that work on the batch (as ``_scale`` prices them)."""
+        return self._memo(
+            self._graph_memo,
+            ("sequence split", tp),
+            lambda: frozenset(
+                name
+                for name, batch in self._batch_dependent.items()
+                if batch
+                and name not in self.traits_for(tp).split_ops
+                and self.traits_for(tp).roles[name] != "sharded"
+            ),
+        )
 
     def _representative(self, index: int) -> int:
         """The first layer with the same signature: identical layers share every cache entry."""
@@ -290,7 +327,7 @@ class CostModel:
         device_type: str,
         phase: str,
         tp: int,
-        microbatch: int,
+        microbatch: float,
         *,
         weights_only: bool = False,
         sp: bool = False,
@@ -307,7 +344,7 @@ class CostModel:
         return total
 
     def _phase_time(
-        self, index: int, device_type: str, phase: str, tp: int, microbatch: int, sp: bool = False
+        self, index: int, device_type: str, phase: str, tp: int, microbatch: float, sp: bool = False
     ) -> float:
         modelled = self._modelled_time(index, device_type, phase, tp, microbatch, sp=sp)
         timing = self._measured_on(index, device_type)
@@ -330,7 +367,7 @@ class CostModel:
         """The measured part of a phase's time that does not scale (``LayerTiming.forward_fixed_s``), else 0."""
         return getattr(self._measured_on(index, device_type), f"{phase}_fixed_s", None) or 0.0
 
-    def tp_allreduce_bytes(self, index: int, microbatch: int, tp: int) -> dict[str, float]:
+    def tp_allreduce_bytes(self, index: int, microbatch: float, tp: int) -> dict[str, float]:
         """Per-device operand bytes of the layer's all-reduces under tensor-parallel degree ``tp``, by phase."""
         allreduce_ops = self.traits_for(tp).allreduce_ops
         out: dict[str, float] = defaultdict(float)
@@ -340,7 +377,7 @@ class CostModel:
                 out[op.phase] += sum(t.nbytes for t in op.outputs) * self._scale_batch(name, microbatch)
         return dict(out)
 
-    def _scale_batch(self, name: str, microbatch: int) -> float:
+    def _scale_batch(self, name: str, microbatch: float) -> float:
         return microbatch / self.batch_size if self._batch_dependent[name] else 1.0
 
     def local_param_bytes(self, index: int, tp: int) -> float:
@@ -411,12 +448,12 @@ class CostModel:
         return tuple(sorted(p for p in reads if p in self.graph.params))
 
     def _memory(
-        self, index: int, tp: int, microbatch: int, sp: bool = False, selective: bool = False
+        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False
     ) -> tuple[float, float]:
         return self._memory_of(self._representative(index), tp, microbatch, sp, selective)
 
     def _memory_of(
-        self, index: int, tp: int, microbatch: int, sp: bool = False, selective: bool = False
+        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False
     ) -> tuple[float, float]:
         """(activation bytes kept per microbatch, transient bytes) from liveness."""
         return self._memo(
@@ -434,7 +471,7 @@ class CostModel:
             lambda: attention_core(self.graph, self.layers[index].ops, lambda n: self._batch_dependent[n]),
         )
 
-    def _core_time(self, index: int, device_type: str, tp: int, microbatch: int) -> float:
+    def _core_time(self, index: int, device_type: str, tp: int, microbatch: float) -> float:
         """Seconds of layer ``index``'s core attention forward, modelled; a measured layer's scaled by
         its measured-to-modelled forward ratio."""
         core = self.attention_core(index).ops
@@ -455,7 +492,7 @@ class CostModel:
         return modelled * self._phase_time(index, device_type, "forward", tp, microbatch) / forward
 
     def _compute_memory(
-        self, index: int, tp: int, microbatch: int, sp: bool = False, selective: bool = False
+        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False
     ) -> tuple[float, float]:
         ops = [n for n in self.layers[index].ops if self.graph.op(n).phase != "optimizer"]
         result = liveness(
@@ -479,21 +516,26 @@ class CostModel:
         *,
         tp_link: Link | None = None,
         dp_link: Link | None = None,
+        cp_link: Link | None = None,
     ) -> LayerCost:
-        """Costs of layer ``index`` on one ``device_type`` device under ``config``."""
+        """Costs of layer ``index`` on one ``device_type`` device under ``config``; ``cp_link`` joins
+        the context-parallel ring's neighbours (the device type's intra-host link by default)."""
         if config.tp > 1 and not self.tensor_parallel:
             raise ValueError("tensor parallelism needs param_axes (logical axis names of the parameters)")
         if device_type not in self.cluster.device_types:
             raise KeyError(f"unknown device type {device_type!r}; the cluster has {sorted(self.cluster.device_types)}")
         tp_link = tp_link or self.default_link(device_type)
         dp_link = dp_link or self.default_link(device_type)
-        m, t = config.microbatch_size, config.tp
+        t, cp = config.tp, config.context_parallel
+        m = config.microbatch_size / cp  # the samples' worth of tokens one device holds
         sp = config.sequence_parallel and t > 1
+        replicas = config.dp * cp  # the ranks that hold the same parameters
         forward = self._phase_time(index, device_type, "forward", t, m, sp)
         backward = self._phase_time(index, device_type, "backward", t, m, sp)
         optimizer = self._phase_time(index, device_type, "optimizer", t, m)
-        if config.zero:
-            optimizer /= config.dp
+        zero = config.zero or config.fsdp
+        if zero:
+            optimizer /= replicas
         weights = (
             sum(self._modelled_time(index, device_type, ph, t, m, weights_only=True) for ph in ("forward", "backward"))
             if self._measured_on(index, device_type) is None
@@ -512,23 +554,32 @@ class CostModel:
         if config.recompute:
             tp_bwd += tp_fwd
         tp_comm = coll.all_reduce_s(tp_fwd, t, tp_link) + coll.all_reduce_s(tp_bwd, t, tp_link)
+        ring = self._context_parallel(index, device_type, t, m, cp, cp_link or self.default_link(device_type))
+        cp_fwd, cp_bwd = (ring.chosen.exposed_forward_s, ring.chosen.exposed_backward_s) if ring else (0.0, 0.0)
+        if config.recompute or selective:  # the rebuilt attention passes its K/V around again
+            cp_bwd += cp_fwd
         params = self.local_param_bytes(index, t)
         # ZeRO and reduce-scatter sync full-size gradients, as accumulation does
-        whole = config.accumulate_gradients or config.zero or config.dp_sync != "all_reduce"
+        whole = config.accumulate_gradients or zero or config.dp_sync != "all_reduce"
         gradients = self.dp_sync_bytes(index, t, accumulate_gradients=whole)
-        if config.dp_sync == "all_reduce" and not config.zero:
-            dp_sync = coll.all_reduce_s(gradients, config.dp, dp_link)
+        if config.dp_sync == "all_reduce" and not zero:
+            dp_sync = coll.all_reduce_s(gradients, replicas, dp_link)
         else:
-            gather = coll.all_gather_s(self._gathered_param_bytes(index, t), config.dp, dp_link)
+            gather = coll.all_gather_s(self._gathered_param_bytes(index, t), replicas, dp_link)
             if config.overlap_param_gather:
                 gather = max(0.0, gather - forward)
-            dp_sync = coll.reduce_scatter_s(gradients, config.dp, dp_link) + gather
+            dp_sync = coll.reduce_scatter_s(gradients, replicas, dp_link) + gather
         kept, transient = self._memory(index, t, m, sp, selective)
+        if ring:
+            transient += ring.chosen.extra_memory_bytes
         layer = self.layers[index]
         if config.recompute:
             transient += kept
             kept = self._input_bytes(index) * m / self.batch_size
-        optimizer_bytes = params * self.optimizer_ratio / (config.dp if config.zero else 1)
+        optimizer_bytes = params * self.optimizer_ratio / (replicas if zero else 1)
+        stored = params / replicas if config.fsdp else params
+        if config.fsdp:  # the layer's gathered parameters and its full-size gradient, while it runs
+            transient += 2 * params
         return LayerCost(
             forward_s=forward,
             backward_s=backward,
@@ -536,15 +587,68 @@ class CostModel:
             tp_comm_s=tp_comm,
             dp_sync_s=dp_sync,
             tp_allreduce_bytes=tp_fwd + tp_bwd,
-            dp_sync_bytes=gradients if config.dp > 1 else 0.0,
-            param_bytes=params,
-            grad_bytes=params,
+            dp_sync_bytes=gradients if replicas > 1 else 0.0,
+            param_bytes=stored,
+            grad_bytes=stored,
             optimizer_bytes=optimizer_bytes,
             activation_bytes=kept,
             transient_bytes=transient,
             output_activation_bytes=layer.activation_bytes * m / self.batch_size,
             fixed_s=fixed,
-            breakdown={"tp_forward_bytes": tp_fwd, "tp_backward_bytes": tp_bwd, "weights_once_s": weights},
+            cp_comm_s=cp_fwd + cp_bwd,
+            cp_form=ring.form if ring else None,
+            breakdown={
+                "tp_forward_bytes": tp_fwd,
+                "tp_backward_bytes": tp_bwd,
+                "weights_once_s": weights,
+                "cp_forward_s": cp_fwd,
+                "cp_backward_s": cp_bwd,
+                "cp_bytes": float(ring.chosen.bytes_sent) if ring else 0.0,
+            },
+        )
+
+    def attention_length(self) -> int | None:
+        """T, the sequence length the model's attention sees (the last dim of its ``Q·Kᵀ`` scores),
+        or None if no layer has attention: what context parallelism splits."""
+        return self._memo(self._graph_memo, "attention_length", self._attention_length)
+
+    def _attention_length(self) -> int | None:
+        lengths = [
+            self.graph.op(name).outputs[0].shape[-1]
+            for index in range(len(self.layers))
+            for name in self.attention_core(index).starts
+        ]
+        return max(lengths, default=None)
+
+    def kv_bytes(self, index: int, tp: int) -> tuple[float, int]:
+        """(bytes, elements) of layer ``index``'s K and V over the whole captured batch and sequence,
+        per tensor-parallel rank: the smaller operand of each ``Q·Kᵀ`` (K) and ``P·V`` (V)."""
+        core = self.attention_core(index)
+        split = self.traits_for(tp).split_ops
+        nbytes, elements = 0.0, 0
+        for name in sorted(core.starts | core.ends):
+            operand = min(self.graph.op(name).inputs, key=lambda spec: spec.nbytes)
+            share = tp if name in split else 1
+            nbytes += operand.nbytes / share
+            elements += operand.size // share
+        return nbytes, elements
+
+    def _context_parallel(self, index: int, device_type: str, tp: int, samples: float, cp: int, link: Link):
+        """The ring-or-gather price of layer ``index``'s attention over ``cp`` devices, each holding
+        ``samples`` samples' worth of tokens; None without context parallelism or attention."""
+        if cp < 2 or not self.attention_core(index).starts:
+            return None
+        nbytes, elements = self.kv_bytes(index, tp)
+        share = samples / self.batch_size  # of the captured batch and whole sequence, per device
+        step = self._core_time(index, device_type, tp, samples) / cp  # one of the cp block steps
+        return context_parallel_cost(
+            n=cp,
+            kv_bytes=nbytes * share,
+            grad_bytes=elements * 4 * share,  # dK/dV accumulate in fp32
+            step_forward_s=step,
+            step_backward_s=BACKWARD_RATIO * step,
+            link=link,
+            memory_budget_bytes=self.cluster.device_types[device_type].memory_bytes,
         )
 
     def _input_bytes(self, index: int) -> float:

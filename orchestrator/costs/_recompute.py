@@ -31,10 +31,14 @@ from orchestrator.graph import OpGraph
 @dataclass(frozen=True, slots=True)
 class AttentionCore:
     """``ops``: the forward ops selective recompute runs again; ``dropped``: those whose values it
-    does not keep for the backward (``ops`` less each core's last matmul)."""
+    does not keep for the backward (``ops`` less each core's last matmul); ``starts`` and ``ends``:
+    the first and last matmul of each core (``Q·Kᵀ`` reads K, ``P·V`` reads V: what context
+    parallelism passes around its ring)."""
 
     ops: frozenset[str]
     dropped: frozenset[str]
+    starts: frozenset[str] = frozenset()
+    ends: frozenset[str] = frozenset()
 
 
 def attention_core(graph: OpGraph, ops: Iterable[str], from_batch: Callable[[str], bool]) -> AttentionCore:
@@ -64,4 +68,6 @@ def attention_core(graph: OpGraph, ops: Iterable[str], from_batch: Callable[[str
                 ends.add(b)
     # a matmul that starts a later pair is dropped even if it ends an earlier one
     kept = ends - starts
-    return AttentionCore(ops=frozenset(core), dropped=frozenset(core - kept))
+    return AttentionCore(
+        ops=frozenset(core), dropped=frozenset(core - kept), starts=frozenset(starts), ends=frozenset(ends)
+    )

@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conductor.kernels import AttentionBlockSizes
-from conductor.kernels.ring import block_bytes, ring_attention, ring_permute_bytes
+from conductor.kernels.ring import ring_attention
+from orchestrator.costs import block_bytes, ring_permute_bytes
 
 T, HEADS, KV_HEADS, HEAD_DIM = 8192, 8, 2, 64
 RINGS = (2, 4, 8)

@@ -1,4 +1,4 @@
-"""Zigzag layout, the chunk pairs a causal ring computes, its per-device work, and the ring-or-gather choice."""
+"""Zigzag layout, the chunk pairs a causal ring computes, and its per-device work."""
 
 import itertools
 
@@ -8,7 +8,6 @@ import pytest
 
 from conductor.kernels.ring import (
     attention_flops_per_device,
-    choose_context_parallel,
     from_layout,
     layout_positions,
     to_layout,
@@ -63,18 +62,3 @@ def test_zigzag_balances_causal_work(n):
         8192, n, layout="zigzag", causal=False, batch=1, heads=2, head_dim=16, block_q=256, block_k=256
     )
     assert flops.sum() < 0.55 * full.sum()
-
-
-def test_the_cost_model_picks_textbook_forms():
-    long = dict(batch=1, seq_len=131072, heads=32, kv_heads=8, head_dim=128, n=8, causal=True, itemsize=2)
-    fast = dict(flops_per_s=4e14, bandwidth_bytes_per_s=2.5e10, latency_s=5e-6)
-    choice = choose_context_parallel(**long, **fast)
-    assert choice.form == "ring"  # a step sends 67 MB of K/V twice and dK/dV once: 11 ms behind 19 ms of compute
-    short = dict(long, seq_len=4096, kv_heads=1)
-    assert choose_context_parallel(**short, **fast).form == "all_gather"  # tiny blocks: per-step overhead dominates
-    tight = choose_context_parallel(**short, **fast, memory_budget_bytes=1024)
-    assert tight.form == "ring"
-    assert "exceeds the budget" in tight.reason
-    assert choice.ring.bytes_sent > choice.all_gather.bytes_sent  # the ring sends dK/dV, the gather reduce-scatters
-    with pytest.raises(ValueError, match="n >= 2"):
-        choose_context_parallel(**dict(long, n=1), **fast)

@@ -5,6 +5,10 @@ order (neighbours share the fastest links: ``orchestrator.cluster.ring_order``).
 attention the sequence is stored in the zigzag layout (:func:`to_layout`), which balances the
 work; everything else per token follows the same permutation (:func:`layout_positions`).
 
+Which form runs (``form="ring"`` or ``"all_gather"``) is the caller's argument: the choice is
+the cost model's (``orchestrator.costs.context_parallel_cost``, with the bytes each form moves),
+as block sizes are, so the kernels hold no pricing formula and the conductor stays on JAX alone.
+
 Example:
     >>> import jax, numpy as np
     >>> from jax.sharding import Mesh
@@ -18,18 +22,12 @@ Example:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from conductor.kernels.attention import AttentionBlockSizes
-from conductor.kernels.ring._choose import (
-    ContextParallelChoice,
-    ContextParallelCost,
-    Form,
-    block_bytes,
-    choose_context_parallel,
-    ring_permute_bytes,
-)
 from conductor.kernels.ring._gather import all_gather_local
 from conductor.kernels.ring._layout import (
     LAYOUTS,
@@ -44,6 +42,7 @@ from conductor.kernels.ring._layout import (
 from conductor.kernels.ring._ring import ring_local
 from conductor.kernels.ring._steps import Ring
 
+Form = Literal["ring", "all_gather"]
 FORMS: tuple[Form, ...] = ("ring", "all_gather")
 
 
@@ -136,17 +135,12 @@ def ring_attention(
 __all__ = [
     "FORMS",
     "LAYOUTS",
-    "ContextParallelChoice",
-    "ContextParallelCost",
     "Form",
     "Layout",
     "attention_flops_per_device",
-    "block_bytes",
-    "choose_context_parallel",
     "context_parallel_attention_shard",
     "from_layout",
     "layout_positions",
     "ring_attention",
-    "ring_permute_bytes",
     "to_layout",
 ]

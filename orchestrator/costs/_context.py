@@ -1,0 +1,208 @@
+"""Context parallelism: what ring and all-gather attention over n devices move, hold, and expose.
+
+The sequence of T tokens is split n ways (the zigzag layout balances a causal mask, so every
+device does 1/n of the attention's work). Per device, with a K/V block of
+b_kv = 2·B·(T/n)·H_kv·D·s bytes (s bytes per element) and a dK/dV block of b_g, the same
+elements in fp32 (the backward's accumulators):
+
+    ring:        forward (n−1)·b_kv, backward (n−1)·b_kv + n·b_g, as 2n − 1 single-block sends
+    all-gather:  forward (n−1)·b_kv, backward (n−1)·b_kv (the dK/dV reduce-scatter), two collectives
+
+Each ring step computes one (query block, K/V block) pair while the next block travels, so a
+step exposes only the part of its send its computation does not hide. With c_f and c_b the
+forward and backward seconds of one block step (1/n of the device's attention), a link of
+latency α and bandwidth β, and κ the fixed cost of one ring step (a kernel launch and the
+send/receive handshake):
+
+    ring exposed        = (n−1)·[max(0, α + b_kv/β − c_f) + max(0, 2α + (b_kv + b_g)/β − c_b)] + 2n·κ
+    all-gather exposed  = max(0, (n−1)·(α + b_kv/β) − c_f) + max(0, (n−1)·(α + b_kv/β) − c_b)
+                          (each collective hides behind the local block only)
+    extra memory        ring 2·b_kv (the block in use and the one arriving), all-gather (n−1)·b_kv
+
+The ring is never slower on bandwidth alone; the all-gather wins where blocks are small (short
+sequences, few K/V heads under GQA) and the ring's per-step overhead exceeds the exposed
+transfer. :func:`context_parallel_cost` chooses the all-gather when it exposes less and its
+gathered K/V fits the memory budget, the ring otherwise. The cost model prices attention
+layers with it (``CostModel.layer_cost`` under ``ParallelConfig.context_parallel``); the
+conductor's ring kernels take the chosen ``form`` as an argument.
+
+A block step's compute, from shapes: the forward does 4·B·H·(T/n)²·D·f FLOPs (f = ½ causal and
+balanced, 1 otherwise) and the backward 2.5× that (it recomputes the scores):
+:func:`choose_context_parallel` prices a layer given by shapes and a device's FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from orchestrator.cluster import Link
+
+Form = Literal["ring", "all_gather"]
+BACKWARD_RATIO = 2.5  # a blockwise attention backward's FLOPs over its forward's (it recomputes the scores)
+STEP_OVERHEAD_S = 10e-6  # κ: a ring step's launch and send/receive handshake
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContextParallelCost:
+    """One form's price for a forward and backward of attention with context parallelism, per device.
+
+    Attributes:
+      form: ``"ring"`` or ``"all_gather"``.
+      time_s: compute and exposed communication, forward and backward.
+      exposed_forward_s, exposed_backward_s: the communication no block computation hides.
+      bytes_sent: forward + backward.
+      extra_memory_bytes: K/V held beyond the local slice.
+    """
+
+    form: Form
+    time_s: float
+    exposed_forward_s: float
+    exposed_backward_s: float
+    bytes_sent: int
+    extra_memory_bytes: int
+
+    @property
+    def exposed_s(self) -> float:
+        return self.exposed_forward_s + self.exposed_backward_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContextParallelChoice:
+    """Both forms' prices and the form chosen, with why."""
+
+    form: Form
+    ring: ContextParallelCost
+    all_gather: ContextParallelCost
+    reason: str
+
+    @property
+    def chosen(self) -> ContextParallelCost:
+        return self.ring if self.form == "ring" else self.all_gather
+
+
+def block_bytes(batch: int, seq_len: int, n: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of one device's K and V slices together: 2·B·(T/n)·H_kv·D·s."""
+    return 2 * batch * (seq_len // n) * kv_heads * head_dim * itemsize
+
+
+def ring_permute_bytes(
+    batch: int, seq_len: int, n: int, kv_heads: int, head_dim: int, itemsize: int, *, backward: bool
+) -> int:
+    """Bytes a device sends through ``collective-permute`` in ring attention (forward, or forward + backward)."""
+    kv = block_bytes(batch, seq_len, n, kv_heads, head_dim, itemsize)
+    return _permute_bytes(kv, block_bytes(batch, seq_len, n, kv_heads, head_dim, 4), n, backward=backward)
+
+
+def _permute_bytes(kv_bytes, grad_bytes, n: int, *, backward: bool):
+    """(n−1)·b_kv forward; with the backward another (n−1)·b_kv and n·b_g."""
+    forward = (n - 1) * kv_bytes
+    return 2 * forward + n * grad_bytes if backward else forward
+
+
+def context_parallel_cost(
+    *,
+    n: int,
+    kv_bytes: float,
+    grad_bytes: float,
+    step_forward_s: float,
+    step_backward_s: float,
+    link: Link,
+    step_overhead_s: float = STEP_OVERHEAD_S,
+    memory_budget_bytes: float = float("inf"),
+) -> ContextParallelChoice:
+    """Prices ring and all-gather attention over ``n`` devices and picks one (formulas in the module docstring).
+
+    Args:
+      n: the context-parallel degree, at least 2.
+      kv_bytes: b_kv, one device's K and V slices; grad_bytes: b_g, their gradients' accumulators.
+      step_forward_s, step_backward_s: c_f and c_b, one block step's computation.
+      link: the link between ring neighbours.
+      step_overhead_s: κ.
+      memory_budget_bytes: what the gathered K/V may take; the ring where it does not fit.
+
+    Example:
+      >>> from orchestrator.cluster import Link
+      >>> c = context_parallel_cost(n=8, kv_bytes=8e6, grad_bytes=16e6, step_forward_s=1e-3,
+      ...     step_backward_s=2.5e-3, link=Link(bandwidth_bytes_per_s=2.5e10, latency_s=5e-6))
+      >>> c.form, c.ring.exposed_forward_s == 0.0
+      ('ring', False)
+    """
+    if n < 2:
+        raise ValueError(f"context parallelism needs n >= 2 devices; got {n}")
+    alpha, beta = link.latency_s, link.bandwidth_bytes_per_s
+    compute = n * (step_forward_s + step_backward_s)
+    send_f = alpha + kv_bytes / beta
+    send_b = 2 * alpha + (kv_bytes + grad_bytes) / beta
+    ring_f = (n - 1) * max(0.0, send_f - step_forward_s) + n * step_overhead_s
+    ring_b = (n - 1) * max(0.0, send_b - step_backward_s) + n * step_overhead_s
+    gather = (n - 1) * (alpha + kv_bytes / beta)
+    gather_f, gather_b = max(0.0, gather - step_forward_s), max(0.0, gather - step_backward_s)
+    ring = ContextParallelCost(
+        form="ring",
+        time_s=compute + ring_f + ring_b,
+        exposed_forward_s=ring_f,
+        exposed_backward_s=ring_b,
+        bytes_sent=int(_permute_bytes(kv_bytes, grad_bytes, n, backward=True)),
+        extra_memory_bytes=int(2 * kv_bytes),
+    )
+    all_gather = ContextParallelCost(
+        form="all_gather",
+        time_s=compute + gather_f + gather_b,
+        exposed_forward_s=gather_f,
+        exposed_backward_s=gather_b,
+        bytes_sent=int(2 * (n - 1) * kv_bytes),
+        extra_memory_bytes=int((n - 1) * kv_bytes),
+    )
+    if all_gather.extra_memory_bytes > memory_budget_bytes:
+        reason = (
+            f"the gathered K/V ({all_gather.extra_memory_bytes} B) exceeds the budget ({memory_budget_bytes:.0f} B)"
+        )
+        return ContextParallelChoice(form="ring", ring=ring, all_gather=all_gather, reason=reason)
+    if all_gather.time_s < ring.time_s:
+        reason = (
+            f"all-gather {all_gather.time_s:.3g} s < ring {ring.time_s:.3g} s: "
+            "the ring's per-step overhead exceeds its overlap"
+        )
+        return ContextParallelChoice(form="all_gather", ring=ring, all_gather=all_gather, reason=reason)
+    reason = f"ring {ring.time_s:.3g} s <= all-gather {all_gather.time_s:.3g} s: each transfer hides behind a block"
+    return ContextParallelChoice(form="ring", ring=ring, all_gather=all_gather, reason=reason)
+
+
+def choose_context_parallel(
+    *,
+    batch: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    n: int,
+    causal: bool,
+    itemsize: int,
+    flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    step_overhead_s: float = STEP_OVERHEAD_S,
+    memory_budget_bytes: float = float("inf"),
+) -> ContextParallelChoice:
+    """:func:`context_parallel_cost` of one attention given by its shapes on a device of ``flops_per_s``.
+
+    Example:
+        >>> c = choose_context_parallel(batch=1, seq_len=131072, heads=32, kv_heads=8, head_dim=128, n=8,
+        ...     causal=True, itemsize=2, flops_per_s=4e14, bandwidth_bytes_per_s=2.5e10, latency_s=5e-6)
+        >>> c.form
+        'ring'
+    """
+    if n < 2:
+        raise ValueError(f"context parallelism needs n >= 2 devices; got {n}")
+    step = 4 * batch * heads * (seq_len // n) ** 2 * head_dim * (0.5 if causal else 1.0) / flops_per_s
+    return context_parallel_cost(
+        n=n,
+        kv_bytes=block_bytes(batch, seq_len, n, kv_heads, head_dim, itemsize),
+        grad_bytes=block_bytes(batch, seq_len, n, kv_heads, head_dim, 4),
+        step_forward_s=step,
+        step_backward_s=BACKWARD_RATIO * step,
+        link=Link(bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s),
+        step_overhead_s=step_overhead_s,
+        memory_budget_bytes=memory_budget_bytes,
+    )

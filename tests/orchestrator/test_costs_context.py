@@ -1,0 +1,144 @@
+"""Context parallelism in the cost model: the m/n rule, the ring's priced bytes against the compiled
+kernel's collective-permutes, overlap with the block computation, and the gradient sync over DP×CP."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from conductor.kernels import AttentionBlockSizes
+from conductor.kernels.ring import ring_attention
+from integrations.flax import capture
+from orchestrator.cluster import Link, load_cluster
+from orchestrator.coarsen import coarsen
+from orchestrator.costs import (
+    CostModel,
+    ParallelConfig,
+    block_bytes,
+    choose_context_parallel,
+    context_parallel_cost,
+    ring_permute_bytes,
+)
+from recipes import get_recipe
+
+BLOCK = 1  # gpt-tiny's first transformer block (layer 0 is the embedding)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=8, param_axes=recipe.param_axes())
+    return recipe, model
+
+
+def test_the_cost_model_picks_textbook_forms():
+    long = dict(batch=1, seq_len=131072, heads=32, kv_heads=8, head_dim=128, n=8, causal=True, itemsize=2)
+    fast = dict(flops_per_s=4e14, bandwidth_bytes_per_s=2.5e10, latency_s=5e-6)
+    choice = choose_context_parallel(**long, **fast)
+    assert choice.form == "ring"  # a step sends 67 MB of K/V twice and dK/dV once: 11 ms behind 19 ms of compute
+    short = dict(long, seq_len=4096, kv_heads=1)
+    assert choose_context_parallel(**short, **fast).form == "all_gather"  # tiny blocks: per-step overhead dominates
+    tight = choose_context_parallel(**short, **fast, memory_budget_bytes=1024)
+    assert tight.form == "ring"
+    assert "exceeds the budget" in tight.reason
+    assert choice.ring.bytes_sent > choice.all_gather.bytes_sent  # the ring sends dK/dV, the gather reduce-scatters
+    with pytest.raises(ValueError, match="n >= 2"):
+        choose_context_parallel(**dict(long, n=1), **fast)
+
+
+def test_a_step_exposes_only_the_send_its_block_does_not_hide():
+    link = Link(bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    kv, grads = 1e6, 2e6  # 1 ms and 2 ms on the link
+    hidden = context_parallel_cost(
+        n=4, kv_bytes=kv, grad_bytes=grads, step_forward_s=2e-3, step_backward_s=5e-3, link=link, step_overhead_s=0.0
+    )
+    assert hidden.ring.exposed_s == 0.0
+    assert hidden.ring.time_s == pytest.approx(4 * 7e-3)
+    slow = context_parallel_cost(
+        n=4, kv_bytes=kv, grad_bytes=grads, step_forward_s=0.5e-3, step_backward_s=1e-3, link=link, step_overhead_s=0.0
+    )
+    # forward: 3 steps of (1 − 0.5) ms; backward: 3 steps of (1 + 2 − 1) ms
+    assert slow.ring.exposed_forward_s == pytest.approx(3 * 0.5e-3)
+    assert slow.ring.exposed_backward_s == pytest.approx(3 * 2e-3)
+    # the all-gather hides behind the local block only: 3 ms of gather each way
+    assert slow.all_gather.exposed_forward_s == pytest.approx(3e-3 - 0.5e-3)
+    assert slow.ring.extra_memory_bytes == 2 * kv and slow.all_gather.extra_memory_bytes == 3 * kv
+
+
+def test_each_device_does_the_work_of_m_over_n_samples(tiny):
+    """Under CP n a layer's compute and activations are those of microbatch m/n on one device; an
+    attention layer adds the ring's exposed communication and its K/V blocks' memory."""
+    _, model = tiny
+    whole = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=4))
+    split = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=8, context_parallel=2))
+    assert split.forward_s == pytest.approx(whole.forward_s)
+    assert split.backward_s == pytest.approx(whole.backward_s)
+    assert split.activation_bytes == pytest.approx(whole.activation_bytes)
+    assert split.output_activation_bytes == pytest.approx(whole.output_activation_bytes)
+    assert split.param_bytes == whole.param_bytes
+    assert split.cp_form in ("ring", "all_gather") and split.cp_comm_s > 0.0  # κ per step at least
+    extra = split.transient_bytes - whole.transient_bytes
+    kv = block_bytes(8, 64, 2, 4, 16, 4)  # microbatch 8, T = 64 over 2, 4 heads of 16, fp32
+    assert extra == (2 * kv if split.cp_form == "ring" else kv)
+    embedding = model.layer_cost(0, "a100", ParallelConfig(microbatch_size=8, context_parallel=2))
+    assert embedding.cp_form is None and embedding.cp_comm_s == 0.0  # no attention: the tokens split, nothing moves
+
+
+def test_gradients_sync_over_data_and_context_ranks(tiny):
+    _, model = tiny
+    link = Link(bandwidth_bytes_per_s=1e9, latency_s=1e-6)
+    cp = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=8, context_parallel=2), dp_link=link)
+    dp = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=8, dp=2), dp_link=link)
+    assert cp.dp_sync_s == pytest.approx(dp.dp_sync_s) and cp.dp_sync_bytes == dp.dp_sync_bytes > 0
+    zero = ParallelConfig(microbatch_size=8, dp=2, context_parallel=2, zero=True)
+    assert model.layer_cost(BLOCK, "a100", zero).optimizer_bytes == pytest.approx(dp.optimizer_bytes / 4)
+
+
+def test_recompute_passes_the_ring_again(tiny):
+    _, model = tiny
+    slow = Link(bandwidth_bytes_per_s=1e6, latency_s=1e-5)
+    plain = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=8, context_parallel=2), cp_link=slow)
+    again = model.layer_cost(
+        BLOCK, "a100", ParallelConfig(microbatch_size=8, context_parallel=2, recompute=True), cp_link=slow
+    )
+    assert again.breakdown["cp_backward_s"] == pytest.approx(
+        plain.breakdown["cp_backward_s"] + plain.breakdown["cp_forward_s"]
+    )
+
+
+def test_the_model_reads_the_attention_length_and_kv_bytes(tiny):
+    recipe, model = tiny
+    assert model.attention_length() == recipe.seq_len
+    nbytes, elements = model.kv_bytes(BLOCK, 1)
+    assert nbytes == block_bytes(8, 64, 1, 4, 16, 4) and elements == nbytes // 4
+    assert model.kv_bytes(BLOCK, 2)[0] == nbytes / 2  # TP splits the heads
+
+
+def test_priced_ring_bytes_are_the_compiled_kernels_permutes(tiny):
+    """The bytes the cost model prices for gpt-tiny's attention over a ring of 2 are the bytes XLA's
+    compiled ring attention (same shapes: B 8, T 64, 4 heads of 16, fp32) sends by collective-permute."""
+    _, model = tiny
+    n = 2
+    nbytes, elements = model.kv_bytes(BLOCK, 1)
+    priced = 2 * (n - 1) * nbytes / n + n * elements * 4 / n
+    assert priced == ring_permute_bytes(8, 64, n, 4, 16, 4, backward=True)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
+    spec = jax.ShapeDtypeStruct(
+        (8, 64, 4, 16), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "context"))
+    )
+
+    def loss(q, k, v):
+        blocks = AttentionBlockSizes(block_q=16, block_k=16)
+        return jnp.sum(ring_attention(q, k, v, mesh=mesh, causal=True, block_sizes=blocks))
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile().as_text()
+    sent = 0
+    for line in hlo.splitlines():
+        match = re.search(r"= f32\[([\d,]*)\]\S* collective-permute\(", line)
+        if match:
+            sent += 4 * int(np.prod([int(d) for d in match.group(1).split(",") if d]))
+    assert sent == pytest.approx(priced, rel=0.01)
