@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from conductor.kernels._common import Implementation, check_implementation, interpret_default
 from conductor.kernels.scan._pallas import selective_scan_pallas
 from conductor.kernels.scan._reference import selective_scan_reference
+from conductor.kernels.scan._sharded import (
+    scan_carry_bytes,
+    scan_state_bytes,
+    sequence_sharded_scan,
+    sequence_sharded_scan_shard,
+)
 from conductor.kernels.scan._xla import selective_scan_chunk, selective_scan_xla_chunked
 
 
@@ -72,4 +78,13 @@ def selective_scan(
     )
 
 
-__all__ = ["ScanBlockSizes", "selective_scan", "selective_scan_chunk", "selective_scan_reference"]
+__all__ = [
+    "ScanBlockSizes",
+    "scan_carry_bytes",
+    "scan_state_bytes",
+    "selective_scan",
+    "selective_scan_chunk",
+    "selective_scan_reference",
+    "sequence_sharded_scan",
+    "sequence_sharded_scan_shard",
+]

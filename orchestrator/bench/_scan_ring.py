@@ -1,0 +1,159 @@
+"""The sequence-sharded selective scan's cases of ``orchestrator bench conductor``, on virtual CPU devices.
+
+Outputs and gradients against the one-device chunked scan (fp32, relative to the values' scale),
+the carry's collective bytes read from the compiled HLO against ``scan_carry_bytes``, and the
+per-device temp memory of the compiled gradient (``memory_analysis()``) by the number of shards.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import pairwise
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from conductor.kernels.scan import ScanBlockSizes, scan_carry_bytes, selective_scan, sequence_sharded_scan
+from orchestrator.bench._conductor import Claim, rel_diff
+
+SIZES = ScanBlockSizes(chunk=64)
+BATCH, D_INNER, D_STATE = 2, 16, 8
+
+
+def scan_inputs(seq: int, *, batch: int = BATCH, d_inner: int = D_INNER, d_state: int = D_STATE, seed: int = 0):
+    """(dt, a, v, b, c) as Mamba makes them (Δ = softplus(·) > 0, v = Δ ⊙ x, A < 0) and a cotangent w."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    dt = jax.nn.softplus(jax.random.normal(ks[0], (batch, seq, d_inner)))
+    v = dt * jax.random.normal(ks[1], (batch, seq, d_inner))
+    b, c = (jax.random.normal(k, (batch, seq, d_state)) for k in ks[2:4])
+    a = -jnp.exp(0.5 * jax.random.normal(ks[4], (d_inner, d_state)))
+    return (dt, a, v, b, c), jax.random.normal(ks[5], dt.shape)
+
+
+def _value_and_grads(scan, w):
+    @jax.jit
+    def run(*args):
+        y, vjp = jax.vjp(scan, *args)
+        return y, vjp(w)
+
+    return run
+
+
+def scan_errors(n: int, seq: int, *, implementation: str = "xla_chunked") -> dict[str, float]:
+    """Relative error (max |x − y| / max |y|) of y and of the gradients in dt, a, v, b, c (of Σ y ⊙ w),
+    the scan sharded over ``n`` devices against the one-device ``xla_chunked`` scan."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
+    args, w = scan_inputs(seq)
+
+    def sharded(*args):
+        return sequence_sharded_scan(*args, mesh=mesh, block_sizes=SIZES, implementation=implementation)
+
+    def whole(*args):
+        return selective_scan(*args, block_sizes=SIZES, implementation="xla_chunked")
+
+    out, grads = _value_and_grads(sharded, w)(*args)
+    ref, ref_grads = _value_and_grads(whole, w)(*args)
+    names = ("y", "dt", "a", "v", "b", "c")
+    return {name: rel_diff(x, y) for name, x, y in zip(names, (out, *grads), (ref, *ref_grads))}
+
+
+def compiled_scan_grad(n: int, seq: int, *, batch: int = 1, d_inner: int = D_INNER, d_state: int = D_STATE):
+    """The compiled gradient (in every input) of Σ y of the scan sharded over ``n`` devices, from shapes only."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
+    tokens = NamedSharding(mesh, PartitionSpec(None, "context"))
+
+    def spec(*shape, sharding=tokens):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+
+    def loss(*args):
+        return jnp.sum(sequence_sharded_scan(*args, mesh=mesh, block_sizes=SIZES))
+
+    a = spec(d_inner, d_state, sharding=NamedSharding(mesh, PartitionSpec()))
+    x, bc = spec(batch, seq, d_inner), spec(batch, seq, d_state)
+    return jax.jit(jax.grad(loss, argnums=range(5))).lower(x, a, x, bc, bc).compile()
+
+
+def collectives(hlo: str) -> list[tuple[str, int]]:
+    """(kind, result bytes) of each all-gather, reduce-scatter, all-reduce and collective-permute in
+    optimized HLO text (fp32 results)."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.search(r"= f32\[([\d,]*)\]\S* (all-gather|reduce-scatter|all-reduce|collective-permute)\(", line)
+        if match:
+            elements = int(np.prod([int(d) for d in match.group(1).split(",") if d]))
+            found.append((match.group(2), 4 * elements))
+    return found
+
+
+def carry_sent_bytes(found: list[tuple[str, int]], n: int) -> int:
+    """Bytes one device sends for the carry: a ring all-gather sends (n − 1)/n of its result, a ring
+    reduce-scatter (n − 1) times its result."""
+    sent = 0
+    for kind, size in found:
+        if kind == "all-gather":
+            sent += size * (n - 1) // n
+        elif kind == "reduce-scatter":
+            sent += size * (n - 1)
+    return sent
+
+
+def numerics_cases(seq: int, shards: tuple[int, ...]) -> list[Claim]:
+    return [
+        Claim(
+            name=f"scan_sharded_numerics_n{n}_T{seq}",
+            ok=max(errors.values()) <= 1e-5,
+            figures={f"{name}_rel_err": error for name, error in errors.items()},
+        )
+        for n in shards
+        for errors in [scan_errors(n, seq)]
+    ]
+
+
+def compiled_cases(seq: int, shards: tuple[int, ...]) -> list[Claim]:
+    """The carry's collective bytes against the prediction (exact), and the temp memory by shard count."""
+    temp, claims = {}, []
+    for n in shards:
+        compiled = compiled_scan_grad(n, seq)
+        temp[n] = int(compiled.memory_analysis().temp_size_in_bytes)
+        found = collectives(compiled.as_text())
+        sent = carry_sent_bytes(found, n)
+        predicted = scan_carry_bytes(1, D_INNER, D_STATE, n, backward=True)
+        claims.append(
+            Claim(
+                name=f"scan_sharded_carry_bytes_n{n}_T{seq}",
+                # besides the carry, only ∂loss/∂A (D·N) is summed over the axis, as any replicated parameter
+                ok=sent == predicted
+                and all(kind != "all-reduce" or size == 4 * D_INNER * D_STATE for kind, size in found),
+                figures={
+                    "compiled_bytes": sent,
+                    "predicted_bytes": predicted,
+                    "collectives": [f"{kind} {size}" for kind, size in found],
+                },
+            )
+        )
+    first = shards[0]
+    claims.append(
+        Claim(
+            name=f"scan_sharded_temp_memory_T{seq}",
+            ok=all(temp[a] > temp[b] for a, b in pairwise(shards)),
+            figures={
+                **{f"temp_bytes_n{n}": temp[n] for n in shards},
+                **{f"temp_x_n_vs_n{first}_n{n}": temp[n] * n / (temp[first] * first) for n in shards},
+            },
+        )
+    )
+    return claims
+
+
+def scan_ring_cases(*, quick: bool = False, progress=lambda name: None) -> list[Claim]:
+    """Every sequence-sharded scan case; ``quick``: T = 2048 on 2 and 4 devices (seconds, for tests)."""
+    seq, shards = (2048, (2, 4)) if quick else (8192, (2, 4, 8))
+    shards = tuple(n for n in shards if n <= len(jax.devices()))
+    if not shards:
+        return []
+    progress(f"sequence-sharded scan numerics T={seq}")
+    claims = numerics_cases(seq, shards)
+    progress(f"sequence-sharded scan compiled T={seq}")
+    return claims + compiled_cases(seq, shards)
