@@ -1,13 +1,16 @@
 """The step time and memory of one concrete plan — what the ILP's objective and rows compute, evaluated directly.
 
-The step time is the closed form of :mod:`orchestrator.planner._closed_form`.
+The step time is the closed form of :mod:`orchestrator.planner._closed_form`. Under virtual
+stages (interleaved 1F1B, v > 1) the last stage also sends to the first (the wrap between chunks:
+its first chunk's last layer's output), and stage s holds ``interleaved_in_flight`` microbatches'
+activations at its peak.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.planner._closed_form import step_time
+from orchestrator.planner._closed_form import interleaved_in_flight, step_time
 from orchestrator.planner._groups import GroupConfig, TypeInfo
 from orchestrator.planner._ilp import in_flight
 from orchestrator.planner._table import CostTable
@@ -47,13 +50,15 @@ def summarize_stage(
     group: GroupConfig,
     next_group: GroupConfig | None,
     microbatches: int,
-    in_flight_microbatches: int,
+    in_flight_microbatches: float,
     *,
     table,
     links,
+    send_layer: int | None = None,
 ) -> StageSummary | None:
     """A stage's times and memory; None when the group's data parallelism does not divide the
-    microbatch. ``next_group``: the next stage's group (None for the last stage)."""
+    microbatch. ``next_group``: the group it sends to (None for the last stage without virtual
+    stages); ``send_layer``: the layer whose output it sends (default: its last)."""
     if table.microbatch(group, microbatches) is None:
         return None
     entries = [table.entry(l, group, microbatches) for l in layers]
@@ -61,7 +66,7 @@ def summarize_stage(
         0.0
         if next_group is None
         else table.send_s(
-            layers[-1],
+            layers[-1] if send_layer is None else send_layer,
             microbatches,
             links[group.device_type, next_group.device_type],
             min(group.size, next_group.size),
@@ -97,6 +102,7 @@ def combine(
     infos,
     schedule: str,
     report_infeasible: bool = True,
+    virtual_stages: int = 1,
 ) -> Evaluation:
     """The plan's evaluation from its stages' summaries: fits if every stage fits and no type's
     devices are over-used; the step time is the closed form (computed for a plan that does not fit
@@ -118,6 +124,7 @@ def combine(
         [s.optimizer_s for s in summaries],
         microbatches,
         schedule,
+        virtual_stages,
     )
     return Evaluation(
         feasible,
@@ -143,12 +150,38 @@ def evaluate(
     links,
     summarize=summarize_stage,
     report_infeasible: bool = True,
+    virtual_stages: int = 1,
 ) -> Evaluation:
     """``links[(t, t2)]``: the link a stage on type t uses to send to a next stage on type t2.
-    ``summarize``: :func:`summarize_stage` or a cache of it (the local search's);
-    ``report_infeasible``: as in :func:`combine`."""
+    ``summarize``: :func:`summarize_stage` or a cache of it (the local search's; not used under
+    ``virtual_stages`` v > 1, interleaved 1F1B); ``report_infeasible``: as in :func:`combine`."""
     S = len(stages)
     work.charge(work.PLAN_S)  # (the search's budget counts plans priced)
+    v = virtual_stages
+    if v > 1:
+        last = stages[-1]
+        summaries = [
+            summarize_stage(
+                layers,
+                group,
+                groups[(s + 1) % S],
+                microbatches,
+                interleaved_in_flight(microbatches, S, s, v),
+                table=table,
+                links=links,
+                send_layer=last[len(last) // v - 1] if s == S - 1 else None,
+            )
+            for s, (layers, group) in enumerate(zip(stages, groups))
+        ]
+        return combine(
+            summaries,
+            groups,
+            microbatches,
+            infos=infos,
+            schedule=schedule,
+            report_infeasible=report_infeasible,
+            virtual_stages=v,
+        )
     summaries = [
         summarize(
             layers,

@@ -35,6 +35,12 @@ class Stage:
       tp, dp: tensor- and data-parallel degrees.
       recompute: whether it recomputes its forward pass in the backward pass.
       zero: whether its optimizer state is sharded over its data-parallel replicas (ZeRO-1).
+      fsdp: whether its parameters, gradients and optimizer state are all sharded over its
+        data-parallel replicas, each layer's parameters gathered where used (ZeRO-3).
+      sequence_parallel: whether, under tensor parallelism, the work it leaves whole is split
+        over the tensor-parallel ranks along the sequence.
+      selective_recompute: whether its backward rebuilds each layer's core attention instead of
+        keeping it (``recompute``, the whole forward, takes precedence).
       microbatch_size: samples per microbatch on each data-parallel replica (on two types: on
         each replica of the first).
       parts: on two types, ((type, devices), (type, devices)); else empty.
@@ -48,7 +54,8 @@ class Stage:
         the backward part is ``time_s − forward_s − 2 · send_s``.
       send_s: one point-to-point transfer of this stage's output activation
         (one microbatch) to the next stage; the gradient coming back costs the
-        same. 0 for the last stage.
+        same. For the last stage: under virtual stages the transfer from its
+        chunks to the first stage's next chunks (the wrap), else 0.
       dp_sync_s: data-parallel gradient synchronisation, once per step.
       optimizer_s: the optimizer update, once per step.
     """
@@ -67,6 +74,9 @@ class Stage:
     dp_sync_s: float = 0.0
     optimizer_s: float = 0.0
     zero: bool = False
+    fsdp: bool = False
+    sequence_parallel: bool = False
+    selective_recompute: bool = False
     parts: tuple[tuple[str, int], ...] = ()
     shares: tuple[int, ...] = ()
 
@@ -85,18 +95,26 @@ class Coverage:
       max_stages: the deepest pipeline searched.
       groups: every stage configuration searched, as (device type, devices, tp, recompute); a stage
         of a plan in the space is one of them, at any position.
+      virtual_stages: the virtual-stage counts v (interleaved 1F1B chunks per stage) the bound
+        holds over. The planner's ILP bounds plain schedules (v = 1); a plan it returns may use
+        v > 1, chosen after the ILP, which makes it no slower than the best plan of this space
+        and may take it outside (docs/planner.md, "Virtual stages").
     """
 
     microbatches: tuple[int, ...]
     max_stages: int
     groups: tuple[tuple[str, int, int, bool], ...]
+    virtual_stages: tuple[int, ...] = (1,)
 
-    def contains(self, *, microbatches: int, stages: Sequence[tuple[str, int, int, bool]]) -> bool:
+    def contains(
+        self, *, microbatches: int, stages: Sequence[tuple[str, int, int, bool]], virtual_stages: int = 1
+    ) -> bool:
         """Whether a plan of ``stages`` (one (type, devices, tp, recompute) each) at ``microbatches``
-        lies in this space."""
+        and ``virtual_stages`` lies in this space."""
         known = set(self.groups)
         return (
             microbatches in self.microbatches
+            and virtual_stages in self.virtual_stages
             and 1 <= len(stages) <= self.max_stages
             and all(tuple(stage) in known for stage in stages)
         )
@@ -107,6 +125,7 @@ class Coverage:
             microbatches=tuple(data["microbatches"]),
             max_stages=data["max_stages"],
             groups=tuple((kind, size, tp, bool(rc)) for kind, size, tp, rc in data["groups"]),
+            virtual_stages=tuple(data.get("virtual_stages", (1,))),
         )
 
 
@@ -118,6 +137,10 @@ class Plan:
       stages: in pipeline order.
       schedule: "gpipe" or "1f1b".
       microbatches: M, microbatches per step.
+      virtual_stages: v, model chunks per stage: 1, or interleaved 1F1B (Narayanan et al. 2021,
+        §2.2.2; Megatron-LM's virtual pipeline stages) with v > 1, where stage s runs chunk c as
+        virtual stage c·S + s, each chunk 1/v of its layers and of its per-microbatch time
+        (``simulate.chunk_order`` gives the order; M must be a multiple of the stage count).
       global_batch: samples per step.
       iteration_s: predicted step time; ``breakdown`` splits it.
       solver, status, objective, bound, gap, solve_s: how the plan was found.
@@ -134,6 +157,7 @@ class Plan:
     microbatches: int
     global_batch: int
     iteration_s: float
+    virtual_stages: int = 1
     breakdown: dict[str, float] = field(default_factory=dict)
     solver: str = ""
     status: str = ""
@@ -163,6 +187,7 @@ class Plan:
                 "microbatches": list(self.space.microbatches),
                 "max_stages": self.space.max_stages,
                 "groups": [list(group) for group in self.space.groups],
+                "virtual_stages": list(self.space.virtual_stages),
             }
         return data
 
@@ -192,7 +217,10 @@ class Plan:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"{len(self.stages)} stage(s), {self.microbatches} microbatch(es), {self.schedule}")
+        schedule = (
+            self.schedule if self.virtual_stages == 1 else f"interleaved 1f1b, {self.virtual_stages} virtual stages"
+        )
+        table = Table(title=f"{len(self.stages)} stage(s), {self.microbatches} microbatch(es), {schedule}")
         for column in (
             "stage",
             "layers",
@@ -260,6 +288,14 @@ def _checked(plan: Plan) -> Plan:
         raise ValueError(f"schedule must be gpipe or 1f1b, got {plan.schedule!r}")
     _count(plan.microbatches, "microbatches")
     _count(plan.global_batch, "global_batch")
+    _count(plan.virtual_stages, "virtual_stages")
+    if plan.virtual_stages > 1 and (
+        plan.schedule != "1f1b" or len(plan.stages) < 2 or plan.microbatches % len(plan.stages)
+    ):
+        raise ValueError(
+            f"virtual_stages {plan.virtual_stages} needs the 1f1b schedule, at least 2 stages and microbatches "
+            f"divisible by them, got {plan.schedule}, {len(plan.stages)} stage(s), {plan.microbatches} microbatches"
+        )
     for name in ("iteration_s", "objective", "bound", "gap", "solve_s"):
         _amount(getattr(plan, name), name)
     if not isinstance(plan.breakdown, dict) or not isinstance(plan.source, dict):

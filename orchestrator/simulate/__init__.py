@@ -14,7 +14,7 @@ Example (hand-built plan: 2 equal stages, forward 1 s, backward 2 s, 4 microbatc
 
 from orchestrator.simulate._charts import gantt_png, memory_png
 from orchestrator.simulate._engine import compare, simulate
-from orchestrator.simulate._schedule import stage_order
+from orchestrator.simulate._schedule import chunk_order, stage_order
 from orchestrator.simulate._timeline import Event, LinkStats, MemorySeries, StageStats, Timeline
 from orchestrator.simulate._trace import trace_json, write_trace
 
@@ -24,6 +24,7 @@ __all__ = [
     "MemorySeries",
     "StageStats",
     "Timeline",
+    "chunk_order",
     "compare",
     "gantt_png",
     "memory_png",

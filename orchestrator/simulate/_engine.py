@@ -8,6 +8,14 @@ gradient sync y_s, optimizer o_s, from the plan — see ``_inputs``):
   activation of microbatch i from stage s − 1; B(s, i) waits for the gradient
   from stage s + 1. After its last backward a stage waits for its gradient
   sync, then runs the optimizer.
+* **Virtual stages** (``plan.virtual_stages`` = v > 1, interleaved 1F1B): each
+  stage runs v chunks in ``_schedule.chunk_order``, each taking 1/v of its
+  forward and backward; chunk c of stage s is virtual stage c·S + s, so
+  F(s, c, i) waits for F(s − 1, c, i), or on the first stage for
+  F(S − 1, c − 1, i), whose activation crosses the wrap link from the last
+  stage to the first (the last stage's ``to_next``); B waits likewise for the
+  gradient from the next virtual stage. The gradient-sync buckets follow the
+  stage's last backward (of chunk 0), spread over it as below.
 * **Transfers.** When F(s, i) ends, its activation is sent to s + 1; when
   B(s + 1, i) ends, the gradient is sent back. A message takes its link's
   latency, then its bytes at the link's bandwidth. **Contention:** messages
@@ -53,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from orchestrator.simulate._inputs import Piece, StageInputs, stage_inputs
-from orchestrator.simulate._schedule import stage_order
+from orchestrator.simulate._schedule import chunk_order
 from orchestrator.simulate._timeline import Event, LinkStats, MemorySeries, StageStats, Timeline
 
 if TYPE_CHECKING:  # plans are read, never built: the planner's solver is not imported at run time
@@ -81,37 +89,43 @@ class _Transfer:
     resources: tuple[str, ...] = ()
     open: int = 0
     messages: list = field(default_factory=list)
+    chunk: int = 0
 
 
 class _Engine:
     def __init__(self, plan: Plan, inputs: list[StageInputs], *, overlap_p2p: bool, overlap_dp_sync: bool):
         self.plan, self.inputs = plan, inputs
         self.S, self.M = len(inputs), plan.microbatches
+        self.V = plan.virtual_stages
         self.overlap_p2p, self.overlap_dp_sync = overlap_p2p, overlap_dp_sync
         self.t = 0.0
         scale = sum(
             (x.forward_s + x.backward_s) * self.M + x.optimizer_s + sum(b[2] for b in x.buckets) for x in inputs
         )
-        scale += sum(p.work_s + p.latency_s for x in inputs for p in (*x.to_next, *x.to_previous)) * self.M
+        scale += sum(p.work_s + p.latency_s for x in inputs for p in (*x.to_next, *x.to_previous)) * self.M * self.V
         self.eps = 1e-12 * max(scale, 1e-30)
-        self.ops: list[list[tuple[str, int | None]]] = []
+        # (op, microbatch, chunk) per stage
+        self.ops: list[list[tuple[str, int | None, int]]] = []
         for s in range(self.S):
-            ops: list[tuple[str, int | None]] = []
-            for phase, i in stage_order(plan.schedule, self.S, self.M, s):
-                if phase == "backward" and s < self.S - 1 and not overlap_p2p:
-                    ops.append(("recv", i))
-                ops.append((phase, i))
-                if phase == "forward" and s < self.S - 1 and not overlap_p2p:
-                    ops.append(("send", i))
-            ops.append(("optimizer", None))
+            ops: list[tuple[str, int | None, int]] = []
+            for phase, i, c in chunk_order(plan.schedule, self.S, self.M, s, self.V):
+                sends = self.successor(s, c) is not None and not overlap_p2p
+                if phase == "backward" and sends:
+                    ops.append(("recv", i, c))
+                ops.append((phase, i, c))
+                if phase == "forward" and sends:
+                    ops.append(("send", i, c))
+            ops.append(("optimizer", None, 0))
             self.ops.append(ops)
-        self.last_backward = [max(k for k, (p, _) in enumerate(ops) if p == "backward") for ops in self.ops]
+        self.last_backward = [max(k for k, (p, *_) in enumerate(ops) if p == "backward") for ops in self.ops]
         self.next_op = [0] * self.S
-        self.running: list[tuple[str, int | None, float, float] | None] = [None] * self.S  # (op, i, start, end)
+        # (op, microbatch, chunk, start, end)
+        self.running: list[tuple[str, int | None, int, float, float] | None] = [None] * self.S
         self.blocked: list[tuple[str, int, float] | None] = [None] * self.S  # a stream held by a transfer
-        self.act_ready = [[s == 0] * self.M for s in range(self.S)]
-        self.grad_ready = [[s == self.S - 1] * self.M for s in range(self.S)]
-        self.backward_done = [[False] * self.M for _ in range(self.S)]
+        chunks = range(self.V)
+        self.act_ready = [[[self.predecessor(s, c) is None] * self.M for c in chunks] for s in range(self.S)]
+        self.grad_ready = [[[self.successor(s, c) is None] * self.M for c in chunks] for s in range(self.S)]
+        self.backward_done = [[[False] * self.M for _ in chunks] for _ in range(self.S)]
         self.buckets_ready: list[list[float] | None] = [None] * self.S  # ready times, once known
         self.bucket_next = [0] * self.S
         self.bucket_busy = [False] * self.S
@@ -119,6 +133,19 @@ class _Engine:
         self.events: list[Event] = []
         self.stream_holds: list[tuple[int, float, float]] = []  # (stage, start, end) of blocking transfers
         self.moving: list[tuple[str, float, float, float]] = []  # (resource, start, end, bytes) of moving messages
+
+    # -- virtual stages ----------------------------------------------------------
+    def successor(self, s: int, c: int) -> tuple[int, int] | None:
+        """(stage, chunk) of the virtual stage after chunk c of stage s (virtual stage c·S + s)."""
+        if s < self.S - 1:
+            return s + 1, c
+        return (0, c + 1) if c < self.V - 1 else None
+
+    def predecessor(self, s: int, c: int) -> tuple[int, int] | None:
+        """(stage, chunk) of the virtual stage before chunk c of stage s."""
+        if s > 0:
+            return s - 1, c
+        return (self.S - 1, c - 1) if c > 0 else None
 
     # -- transfers -------------------------------------------------------------
     def _send(self, transfer: _Transfer, pieces: tuple[Piece, ...]) -> None:
@@ -161,13 +188,14 @@ class _Engine:
         return m.transfer.resources if m.transfer.kind == "dp_sync" else (m.piece.resource,)
 
     # -- streams ---------------------------------------------------------------
-    def _ready(self, s: int, op: str, i: int | None) -> bool:
+    def _ready(self, s: int, op: str, i: int | None, c: int) -> bool:
         if op == "forward":
-            return self.act_ready[s][i]
+            return self.act_ready[s][c][i]
         if op == "backward":
-            return self.grad_ready[s][i]
+            return self.grad_ready[s][c][i]
         if op == "recv":
-            return self.backward_done[s + 1][i]
+            s2, c2 = self.successor(s, c)  # type: ignore[misc]
+            return self.backward_done[s2][c2][i]
         if op == "optimizer":
             return self.buckets_ready[s] is not None and self.bucket_next[s] == len(self.inputs[s].buckets)
         return True  # send: right after its forward
@@ -177,8 +205,8 @@ class _Engine:
         for s in range(self.S):
             if self.running[s] or self.blocked[s] or self.next_op[s] == len(self.ops[s]):
                 continue
-            op, i = self.ops[s][self.next_op[s]]
-            if not self._ready(s, op, i):
+            op, i, c = self.ops[s][self.next_op[s]]
+            if not self._ready(s, op, i, c):
                 continue
             changed = True
             x = self.inputs[s]
@@ -186,12 +214,14 @@ class _Engine:
                 self.blocked[s] = (op, i, self.t)
                 self.next_op[s] += 1
                 if op == "send":
-                    self._send(self._transfer("send_activation", s, i, blocking=True), x.to_next)
+                    self._send(self._transfer("send_activation", s, i, c, blocking=True), x.to_next)
                 else:
-                    self._send(self._transfer("send_gradient", s, i, blocking=True), x.to_previous)
+                    self._send(self._transfer("send_gradient", s, i, c, blocking=True), x.to_previous)
                 continue
-            duration = {"forward": x.forward_s, "backward": x.backward_s, "optimizer": x.optimizer_s}[op]
-            self.running[s] = (op, i, self.t, self.t + duration)
+            # a chunk's forward and backward take 1/v of the stage's
+            chunk = {"forward": x.forward_s / self.V, "backward": x.backward_s / self.V}
+            duration = chunk.get(op, x.optimizer_s)
+            self.running[s] = (op, i, c, self.t, self.t + duration)
             if op == "backward" and self.next_op[s] == self.last_backward[s] and self.overlap_dp_sync:
                 cumulative, ready = 0.0, []
                 for _, fraction, _ in x.buckets:
@@ -202,40 +232,45 @@ class _Engine:
             self.next_op[s] += 1
         return changed
 
-    def _transfer(self, kind: str, s: int, i: int | None, *, blocking: bool) -> _Transfer:
+    def _transfer(self, kind: str, s: int, i: int | None, c: int, *, blocking: bool) -> _Transfer:
+        """Between chunk c of stage s and the next virtual stage: the activation forward, or the
+        gradient back to (s, c)."""
+
         def done() -> None:
             if kind == "send_activation":
-                self.act_ready[s + 1][i] = True
+                s2, c2 = self.successor(s, c)  # type: ignore[misc]
+                self.act_ready[s2][c2][i] = True
             else:
-                self.grad_ready[s][i] = True
+                self.grad_ready[s][c][i] = True
             if blocking:
                 _, _, start = self.blocked[s]
                 self.stream_holds.append((s, start, self.t))
                 self.blocked[s] = None
 
-        return _Transfer(kind=kind, stage=s, microbatch=i, on_done=done, blocking=blocking)
+        return _Transfer(kind=kind, stage=s, microbatch=i, on_done=done, blocking=blocking, chunk=c)
 
     def _finish_ops(self) -> bool:
         changed = False
         for s in range(self.S):
             run = self.running[s]
-            if run is None or run[3] > self.t + self.eps:
+            if run is None or run[4] > self.t + self.eps:
                 continue
-            op, i, start, end = run
+            op, i, c, start, end = run
             self.t = max(self.t, end)
             self.running[s] = None
             changed = True
             if op != "optimizer" or end > start:  # a stage without optimizer work shows none
-                self.events.append(Event(kind=op, stage=s, microbatch=i, start_s=start, end_s=end))  # type: ignore[arg-type]
-            if op == "forward" and s < self.S - 1 and self.overlap_p2p:
-                self._send(self._transfer("send_activation", s, i, blocking=False), self.inputs[s].to_next)
+                event = Event(kind=op, stage=s, microbatch=i, start_s=start, end_s=end, chunk=c)  # type: ignore[arg-type]
+                self.events.append(event)
+            if op == "forward" and self.successor(s, c) is not None and self.overlap_p2p:
+                self._send(self._transfer("send_activation", s, i, c, blocking=False), self.inputs[s].to_next)
             if op == "backward":
-                self.backward_done[s][i] = True
-                if s > 0 and self.overlap_p2p:
-                    self._send(
-                        self._transfer("send_gradient", s - 1, i, blocking=False), self.inputs[s - 1].to_previous
-                    )
-                if not self.overlap_dp_sync and all(all(row) for row in self.backward_done):
+                self.backward_done[s][c][i] = True
+                back = self.predecessor(s, c)
+                if back is not None and self.overlap_p2p:
+                    s0, c0 = back
+                    self._send(self._transfer("send_gradient", s0, i, c0, blocking=False), self.inputs[s0].to_previous)
+                if not self.overlap_dp_sync and all(all(all(row) for row in rows) for rows in self.backward_done):
                     for k in range(self.S):
                         self.buckets_ready[k] = [self.t] * len(self.inputs[k].buckets)
         return changed
@@ -282,6 +317,7 @@ class _Engine:
                         kind=transfer.kind,  # type: ignore[arg-type]
                         stage=transfer.stage,
                         microbatch=transfer.microbatch,
+                        chunk=transfer.chunk,
                         start_s=m.start_s,
                         end_s=self.t,
                         resources=(m.piece.resource,),
@@ -304,7 +340,7 @@ class _Engine:
                 if not self.messages:
                     return
             rates = self._rates()
-            candidates = [run[3] for run in self.running if run]
+            candidates = [run[4] for run in self.running if run]
             candidates += [m.active_s for m in self.messages if not m.moving]
             candidates += [self.t + m.remaining_s / rates[id(m)] for m in self.messages if m.moving]
             for s in range(self.S):
@@ -415,7 +451,7 @@ def _timeline(plan: Plan, inputs: list[StageInputs], engine: _Engine, **options)
         holds = sum(b - a for k, a, b in engine.stream_holds if k == s)
         pipe_busy = sum(e.duration_s for e in mine if e.kind != "optimizer") + holds
         busy = sum(e.duration_s for e in mine) + holds
-        series = _memory(s, stage.devices, mine, x)
+        series = _memory(s, stage.devices, mine, x, plan.virtual_stages)
         stats.append(
             StageStats(
                 stage=s,
@@ -463,7 +499,8 @@ def _timeline(plan: Plan, inputs: list[StageInputs], engine: _Engine, **options)
     )
 
 
-def _memory(s: int, devices: tuple[str, ...], events: list[Event], x: StageInputs) -> MemorySeries:
+def _memory(s: int, devices: tuple[str, ...], events: list[Event], x: StageInputs, chunks: int) -> MemorySeries:
+    """In flight: (chunk, microbatch) pairs, each holding 1/``chunks`` of the stage's activation bytes."""
     # at one instant, frees (ends) before allocations (starts)
     changes = []
     for e in events:
@@ -490,7 +527,7 @@ def _memory(s: int, devices: tuple[str, ...], events: list[Event], x: StageInput
     nbytes = None
     if x.static_bytes is not None:
         nbytes = tuple(
-            x.static_bytes + k * x.activation_bytes + (x.transient_bytes if busy else 0.0)
+            x.static_bytes + k * x.activation_bytes / chunks + (x.transient_bytes if busy else 0.0)
             for k, busy in zip(in_flight, transient)
         )
     return MemorySeries(stage=s, devices=devices, times_s=tuple(times), in_flight=tuple(in_flight), bytes=nbytes)

@@ -10,7 +10,8 @@ given, adds what the plan does not carry:
   — split by the samples each data-parallel replica holds and sent over the
   links the plan's devices actually cross (``Cluster.link``); without it a
   transfer is one message of ``send_s`` seconds between the stages' first
-  devices;
+  devices. Under virtual stages the last stage sends to the first (the wrap
+  between chunks): the output of its first chunk's last layer;
 * per-layer shares of the backward pass and of the gradient sync, so a
   layer's gradients can be synchronised while the last microbatch's backward
   is still running through earlier layers;
@@ -137,7 +138,8 @@ def stage_inputs(plan: Plan, model=None) -> list[StageInputs]:
     out = []
     for s, st in enumerate(plan.stages):
         backward = max(0.0, st.time_s - st.forward_s - 2 * st.send_s)
-        nxt = plan.stages[s + 1] if s + 1 < S else None
+        # under virtual stages the last stage's chunks hand over to the first stage's next chunks
+        nxt = plan.stages[s + 1] if s + 1 < S else (plan.stages[0] if plan.virtual_stages > 1 else None)
         if model is None:
             buckets = ((None, 1.0, st.dp_sync_s),)
             memory = (None, None, None)
@@ -156,7 +158,8 @@ def stage_inputs(plan: Plan, model=None) -> list[StageInputs]:
                 )
         else:
             buckets, memory = _layer_costs(plan, st, model)
-            fwd, bwd = _transfers(plan, st, nxt, model) if nxt is not None else ((), ())
+            last = st.layers[len(st.layers) // plan.virtual_stages - 1] if s == S - 1 else st.layers[-1]
+            fwd, bwd = _transfers(plan, st, nxt, model, last) if nxt is not None else ((), ())
         out.append(
             StageInputs(
                 forward_s=st.forward_s,
@@ -238,10 +241,11 @@ def _layer_costs(plan: Plan, st: Stage, model):
     return buckets, (static, activation, transient)
 
 
-def _transfers(plan: Plan, st: Stage, nxt: Stage, model) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+def _transfers(plan: Plan, st: Stage, nxt: Stage, model, layer: int) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+    """The messages of ``layer``'s output from ``st`` to ``nxt`` and of its gradient back."""
     devices = {d.ref: d for d in model.cluster.all_devices()}
-    # (bytes of the last layer's output per captured batch) scaled to one microbatch of the whole pipeline
-    nbytes = model.layers[st.layers[-1]].activation_bytes * (plan.global_batch / plan.microbatches) / model.batch_size
+    # (bytes of the layer's output per captured batch) scaled to one microbatch of the whole pipeline
+    nbytes = model.layers[layer].activation_bytes * (plan.global_batch / plan.microbatches) / model.batch_size
     fwd: list[Piece] = []
     bwd: list[Piece] = []
     if nbytes <= 0:

@@ -24,6 +24,8 @@ class Event:
       blocking: a transfer that also held its stage's compute stream (``overlap_p2p=False``).
       layer: the layer whose gradients a ``dp_sync`` bucket synchronises (None: the whole stage).
       nbytes: bytes of a transfer when the cost model is known.
+      chunk: the model chunk of a forward, backward or transfer under virtual stages (0 without);
+        the activation of the last stage's chunk c < v − 1 goes to the first stage's chunk c + 1.
     """
 
     kind: EventKind
@@ -35,6 +37,7 @@ class Event:
     blocking: bool = False
     layer: int | None = None
     nbytes: float | None = None
+    chunk: int = 0
 
     @property
     def duration_s(self) -> float:

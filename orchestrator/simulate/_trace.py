@@ -74,7 +74,8 @@ def trace_json(timeline: Timeline) -> dict:
             args |= {"layer": e.layer, "links": list(e.resources)}
             out.append(_complete(name, e.kind, network, sync_tid[e.stage], e.start_s, e.end_s, args))
         else:
-            src, dst = (e.stage, e.stage + 1) if e.kind == "send_activation" else (e.stage + 1, e.stage)
+            nxt = (e.stage + 1) % timeline.stages  # the last stage's transfers cross the wrap to the first
+            src, dst = (e.stage, nxt) if e.kind == "send_activation" else (nxt, e.stage)
             args |= {"from_stage": src, "to_stage": dst, "bytes": e.nbytes, "blocking": e.blocking}
             name = f"{_NAMES[e.kind]}{e.microbatch} s{src}→s{dst}"
             out.append(_complete(name, e.kind, network, link_tid[e.resources[0]], e.start_s, e.end_s, args))
