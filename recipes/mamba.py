@@ -20,6 +20,7 @@ recognises and rewrites into a fused, chunked kernel.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import flax.linen as nn
@@ -103,13 +104,20 @@ class CausalConv1d(nn.Module):
     """
 
     width: int
+    sequence_axis: str | None = None  # see Mamba
 
     @nn.compact
     def __call__(self, x):  # (batch, seq, channels)
         channels, seq = x.shape[-1], x.shape[1]
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.width, channels))
         bias = self.param("bias", nn.initializers.zeros_init(), (channels,))
-        padded = jnp.pad(x, ((0, 0), (self.width - 1, 0), (0, 0)))
+        if self.sequence_axis is None:
+            padded = jnp.pad(x, ((0, 0), (self.width - 1, 0), (0, 0)))
+        else:  # the previous device's last K − 1 tokens; the first device receives zeros
+            n = jax.lax.axis_size(self.sequence_axis)
+            pairs = [(i, i + 1) for i in range(n - 1)]
+            halo = jax.lax.ppermute(x[:, seq - self.width + 1 :], self.sequence_axis, pairs)
+            padded = jnp.concatenate([halo, x], axis=1)
         out = bias
         for k in range(self.width):
             out = out + padded[:, k : k + seq] * kernel[k]
@@ -118,6 +126,8 @@ class CausalConv1d(nn.Module):
 
 class Mixer(nn.Module):
     config: MambaConfig
+    sequence_axis: str | None = None  # see Mamba
+    scan: Callable | None = None
 
     @nn.compact
     def __call__(self, u):  # (batch, seq, d_model)
@@ -125,15 +135,20 @@ class Mixer(nn.Module):
         di, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
         xz = nn.Dense(2 * di, use_bias=False, dtype=cfg.dtype, name="in_proj")(u)
         x, z = jnp.split(xz, 2, axis=-1)
-        x = CausalConv1d(cfg.d_conv, name="conv1d")(x)
+        x = CausalConv1d(cfg.d_conv, self.sequence_axis, name="conv1d")(x)
         x = nn.silu(x)
         dbc = nn.Dense(r + 2 * n, use_bias=False, dtype=cfg.dtype, name="x_proj")(x)
         dt, b, c = jnp.split(dbc, [r, r + n], axis=-1)
         delta = nn.softplus(nn.Dense(di, dtype=cfg.dtype, name="dt_proj")(dt))  # (batch, seq, d_inner)
         a = -jnp.exp(self.param("A_log", _a_log_init(n), (di, n)))
-        delta_a = jnp.exp(delta[..., None] * a)  # (batch, seq, d_inner, d_state)
-        delta_bx = (delta * x)[..., None] * b[:, :, None, :]
-        y = selective_scan(delta_a, delta_bx, c)
+        if self.scan is not None:
+            y = self.scan(delta, a, delta * x, b, c)
+        elif self.sequence_axis is not None:
+            raise ValueError("a sequence-sharded Mamba needs a scan that passes the state between devices")
+        else:
+            delta_a = jnp.exp(delta[..., None] * a)  # (batch, seq, d_inner, d_state)
+            delta_bx = (delta * x)[..., None] * b[:, :, None, :]
+            y = selective_scan(delta_a, delta_bx, c)
         y = y + x * self.param("D", nn.initializers.ones, (di,))
         y = y * nn.silu(z)
         return nn.Dense(cfg.d_model, use_bias=False, dtype=cfg.dtype, name="out_proj")(y)
@@ -141,16 +156,32 @@ class Mixer(nn.Module):
 
 class MambaBlock(nn.Module):
     config: MambaConfig
+    sequence_axis: str | None = None  # see Mamba
+    scan: Callable | None = None
 
     @nn.compact
     def __call__(self, x):
-        return x + Mixer(self.config, name="mixer")(nn.RMSNorm(name="norm")(x))
+        mixer = Mixer(self.config, self.sequence_axis, self.scan, name="mixer")
+        return x + mixer(nn.RMSNorm(name="norm")(x))
 
 
 class Mamba(nn.Module):
-    """Mamba language model: tokens (batch, seq) → logits (batch, seq, vocab)."""
+    """Mamba language model: tokens (batch, seq) → logits (batch, seq, vocab).
+
+    Attributes:
+      config: the model's shape.
+      sequence_axis: set when the model runs inside ``jax.shard_map`` on a contiguous slice of the
+        sequence, device i of this mesh axis holding the i-th slice; the convolution then reads
+        the previous slice's last K − 1 tokens from its device (``ppermute``). Everything else
+        is per token.
+      scan: ``scan(Δ, A, Δ ⊙ x, B, C) → y`` with Δ, Δ ⊙ x, y (batch, seq, d_inner) and B, C (batch,
+        seq, d_state), used instead of the written scan; with ``sequence_axis``, one that passes
+        the state between devices (``conductor.kernels.scan.sequence_sharded_scan_shard``).
+    """
 
     config: MambaConfig
+    sequence_axis: str | None = None
+    scan: Callable | None = None
 
     @nn.compact
     def __call__(self, tokens):
@@ -158,6 +189,6 @@ class Mamba(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name="embedding")
         x = embed(tokens)
         for i in range(cfg.num_layers):
-            x = MambaBlock(cfg, name=f"layers_{i}")(x)
+            x = MambaBlock(cfg, self.sequence_axis, self.scan, name=f"layers_{i}")(x)
         x = nn.RMSNorm(name="norm_f")(x)
         return embed.attend(x)

@@ -8,11 +8,13 @@ per-device temp memory of the compiled gradient (``memory_analysis()``) by the n
 from __future__ import annotations
 
 import re
+from functools import partial
 from itertools import pairwise
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conductor.kernels.scan import ScanBlockSizes, scan_carry_bytes, selective_scan, sequence_sharded_scan
@@ -157,3 +159,63 @@ def scan_ring_cases(*, quick: bool = False, progress=lambda name: None) -> list[
     claims = numerics_cases(seq, shards)
     progress(f"sequence-sharded scan compiled T={seq}")
     return claims + compiled_cases(seq, shards)
+
+
+def mamba_sequence_sharded_loss(model, mesh: Mesh, axis_name: str = "context"):
+    """Mean next-token cross-entropy of a sequence-sharded Mamba: ``loss(params, batch)``.
+
+    ``model`` is built with ``sequence_axis=axis_name``; the batch's inputs and targets (batch, seq)
+    are split contiguously over ``axis_name``, the parameters replicated. Each device sums its
+    tokens' losses and one ``psum`` adds the sums; the parameters' gradients are summed over the
+    axis by the ``shard_map``'s transpose.
+    """
+    tokens = PartitionSpec(None, axis_name)
+
+    def local(params, inputs, targets):
+        logits = model.apply({"params": params}, inputs).astype(jnp.float32)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return jax.lax.psum(jnp.sum(losses), axis_name)
+
+    def loss(params, batch):
+        total = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), tokens, tokens), out_specs=PartitionSpec())
+        return total(params, batch["inputs"], batch["targets"]) / batch["targets"].size
+
+    return loss
+
+
+def mamba_losses(n: int, seq: int, *, steps: int = 5) -> tuple[list[float], list[float]]:
+    """Losses of ``steps`` AdamW steps of a tiny Mamba at length ``seq``: sequence-sharded over ``n``
+    devices, and on one device with the recipe's written scan (the same initial parameters and batches)."""
+    from flax.training.train_state import TrainState
+
+    from conductor.kernels.scan import sequence_sharded_scan_shard
+    from recipes import Mamba, MambaConfig
+    from recipes.train import adamw, loss_fn, synthetic_batch
+
+    config = MambaConfig(vocab_size=64, num_layers=2, d_model=16, d_state=4)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
+    scan = partial(sequence_sharded_scan_shard, axis_name="context", block_sizes=ScanBlockSizes(chunk=64))
+    sharded = Mamba(config, sequence_axis="context", scan=scan)
+    written = Mamba(config)
+    batches = [synthetic_batch(jax.random.key(step), 2, seq, config.vocab_size) for step in range(steps)]
+    params = written.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    sharded_loss = mamba_sequence_sharded_loss(sharded, mesh)
+
+    def written_loss(params, batch):
+        return loss_fn(params, written.apply, batch)
+
+    def run(loss, place):
+        @jax.jit
+        def step(state, batch):
+            value, grads = jax.value_and_grad(loss)(state.params, batch)
+            return state.apply_gradients(grads=grads), value
+
+        state = TrainState.create(apply_fn=None, params=params, tx=adamw(1e-2))
+        losses = []
+        for batch in batches:
+            state, value = step(state, place(batch))
+            losses.append(float(value))
+        return losses
+
+    tokens = NamedSharding(mesh, PartitionSpec(None, "context"))
+    return run(sharded_loss, lambda batch: jax.device_put(batch, tokens)), run(written_loss, lambda batch: batch)
