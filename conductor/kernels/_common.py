@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 Implementation = Literal["pallas", "xla_chunked", "reference"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = ("pallas", "xla_chunked", "reference")
@@ -46,3 +47,16 @@ def compiler_params(platform: str | None):
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def full_varying(shape, value: float, *like):
+    """fp32 ``value`` of ``shape``, varying over the mesh axes ``like`` varies over.
+
+    Inside ``shard_map`` a loop carry must keep its type, and a constant varies over no axis
+    while a carry computed from the inputs varies over theirs. Outside ``shard_map`` it is the
+    constant (XLA folds the added zeros).
+    """
+    out = jnp.full(shape, value, jnp.float32)
+    for x in like:
+        out = out + jnp.zeros_like(x[(0,) * x.ndim], jnp.float32)
+    return out

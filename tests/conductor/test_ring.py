@@ -30,14 +30,24 @@ def _value_and_grads(attend, w):
     return run
 
 
-def ring_errors(*, n, t, causal, heads, kv_heads, layout="zigzag", form="ring"):
+def ring_errors(*, n, t, causal, heads, kv_heads, layout="zigzag", form="ring", implementation="xla_chunked"):
     """Largest |ring − full| of the output and of dQ, dK, dV (gradients of Σ out ⊙ w)."""
     mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
     q, k, v, w = _inputs(t, heads, kv_heads)
 
     def ring(q, k, v):
         q, k, v = (to_layout(x, n, layout) for x in (q, k, v))
-        out = ring_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, form=form, block_sizes=BLOCKS)
+        out = ring_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            causal=causal,
+            layout=layout,
+            form=form,
+            block_sizes=BLOCKS,
+            implementation=implementation,
+        )
         return from_layout(out, n, layout)
 
     out, grads = _value_and_grads(ring, w)(q, k, v)
@@ -62,6 +72,18 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_ring_attention_equals_full_attention(case):
     out_err, grad_errs = ring_errors(**case)
+    assert out_err <= 1e-5
+    assert max(grad_errs) <= 1e-5, grad_errs
+
+
+@pytest.mark.parametrize(
+    "case",
+    [dict(n=4, causal=True, heads=4, kv_heads=2), dict(n=2, causal=False, heads=2, kv_heads=1, form="all_gather")],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_each_chunk_pair_may_run_the_pallas_kernel(case):
+    """The same ring with Pallas flash kernels per chunk pair (interpreted on CPU, so a short sequence)."""
+    out_err, grad_errs = ring_errors(t=1024, implementation="pallas", **case)
     assert out_err <= 1e-5
     assert max(grad_errs) <= 1e-5, grad_errs
 

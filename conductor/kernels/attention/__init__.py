@@ -13,12 +13,19 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+import jax.numpy as jnp
 
 from conductor.kernels._common import Implementation, check_implementation, interpret_default
 from conductor.kernels.attention._mask import Band, band
 from conductor.kernels.attention._pallas import attention_pallas
+from conductor.kernels.attention._pallas import backward_rows as pallas_backward_rows
+from conductor.kernels.attention._pallas import forward as pallas_forward
 from conductor.kernels.attention._reference import attention_reference
 from conductor.kernels.attention._xla import attention_xla_chunked
+from conductor.kernels.attention._xla import backward_rows as xla_backward_rows
+from conductor.kernels.attention._xla import forward as xla_forward
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,4 +98,106 @@ def attention(
     return attention_pallas(q, k, v, **blocked, interpret=interpret_default(interpret), platform=platform)
 
 
-__all__ = ["AttentionBlockSizes", "Band", "attention", "attention_reference"]
+Blockwise = Literal["pallas", "xla_chunked"]
+
+
+def _blockwise(implementation: str, q, block_sizes) -> tuple[int, int]:
+    if implementation not in ("pallas", "xla_chunked"):
+        raise ValueError(f"implementation={implementation!r}; choose pallas or xla_chunked")
+    sizes = block_sizes or AttentionBlockSizes()
+    return min(sizes.block_q, q.shape[2]), sizes.block_k
+
+
+def flash_forward(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    scale: float,
+    block_sizes: AttentionBlockSizes | None = None,
+    implementation: Blockwise = "xla_chunked",
+    interpret: bool | None = None,
+    platform: str | None = None,
+):
+    """One flash forward that also returns its log-sum-exp: the piece attention across devices
+    composes (two partial results merge as L = log(e^{L₁} + e^{L₂}), O = e^{L₁−L} O₁ + e^{L₂−L} O₂).
+
+    Heads-major layout, so a grouped (B, Hkv, G, T, D) query reshapes to it for free.
+
+    Args:
+      q: (batch, heads, seq_q, head_dim); k, v: (batch, kv_heads, seq_k, head_dim).
+      causal: mask key j > query i (seq_q == seq_k).
+      block_sizes: tile lengths; each must divide its sequence length.
+      implementation: ``"xla_chunked"`` or ``"pallas"`` (``interpret`` and ``platform`` as in
+        :func:`attention`).
+    Returns:
+      (O, L): O (batch, heads, seq_q, head_dim_v) and L (batch, heads, seq_q), both fp32.
+    """
+    bq, bk = _blockwise(implementation, q, block_sizes)
+    bk = min(bk, k.shape[2])
+    if implementation == "pallas":
+        o, lse = pallas_forward(
+            q, k, v, causal, scale, bq, bk, interpret_default(interpret), platform, o_dtype=jnp.float32
+        )
+        return o, lse[:, :, 0]
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    o, lse = xla_forward(q.reshape(b, hkv, h // hkv, t, d), k, v, causal, scale, bq, bk, out_dtype=jnp.float32)
+    return o.reshape(b, h, t, v.shape[-1]), lse.reshape(b, h, t)
+
+
+def flash_backward(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    *,
+    causal: bool,
+    scale: float,
+    block_sizes: AttentionBlockSizes | None = None,
+    implementation: Blockwise = "xla_chunked",
+    interpret: bool | None = None,
+    platform: str | None = None,
+):
+    """(dQ, dK, dV) in fp32 of one flash block pair, given the log-sum-exp ``lse`` and
+    ``delta`` = rowsum(dO ⊙ O) (batch, heads, seq_q) of the *finished* output, so each pair's
+    p = e^{s − L} is already normalised over every key block the output saw. Layout and the
+    other arguments as :func:`flash_forward`; dK and dV come back per kv head."""
+    bq, bk = _blockwise(implementation, q, block_sizes)
+    bk = min(bk, k.shape[2])
+    if implementation == "pallas":
+        rows = lse[:, :, None], delta[:, :, None]
+        return pallas_backward_rows(
+            q, k, v, do, *rows, causal, scale, bq, bk, interpret_default(interpret), platform, grad_dtype=jnp.float32
+        )
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    grouped = (b, hkv, h // hkv, t)
+    dq, dk, dv = xla_backward_rows(
+        q.reshape(*grouped, d),
+        k,
+        v,
+        do.reshape(*grouped, do.shape[-1]),
+        lse.reshape(grouped),
+        delta.reshape(grouped),
+        causal,
+        scale,
+        bq,
+        bk,
+        grad_dtype=jnp.float32,
+    )
+    return dq.reshape(q.shape), dk, dv
+
+
+__all__ = [
+    "AttentionBlockSizes",
+    "Band",
+    "Blockwise",
+    "attention",
+    "attention_reference",
+    "flash_backward",
+    "flash_forward",
+]

@@ -108,6 +108,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
+def _out(shape, dtype, *inputs):
+    """An output of ``shape`` varying over every mesh axis its ``inputs`` vary over, which
+    ``pallas_call`` needs to be told inside a type-checked ``shard_map`` (outside, none)."""
+    varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
 def _specs(t, s, d, groups, bq, bk):
     """BlockSpecs over (B, H, T, D) query-side and (B, Hkv, S, D) key-side arrays."""
     q_blk = pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0))
@@ -133,7 +140,8 @@ def _cost(b, h, t, s, d, mask: Band, *, matmuls: int, arrays) -> pl.CostEstimate
     )
 
 
-def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform, mask: Band | None = None):
+def forward(q, k, v, causal, scale, bq, bk, interpret, platform, mask: Band | None = None, o_dtype=None):
+    """(O, L): O (B, H, T, D) in ``o_dtype`` (default q's), L (B, H, 1, T) fp32."""
     mask = as_band(causal, mask)
     b, h, t, d = q.shape
     s, groups = k.shape[2], h // k.shape[1]
@@ -143,7 +151,7 @@ def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform, mask: Band | None 
         grid=(b, h, t // bq),
         in_specs=[q_blk, k_all, k_all],
         out_specs=[q_blk, row_blk],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32)],
+        out_shape=[_out(q.shape, o_dtype or q.dtype, q, k, v), _out((b, h, 1, t), jnp.float32, q, k, v)],
         interpret=interpret,
         compiler_params=compiler_params(platform),
         cost_estimate=_cost(b, h, t, s, d, mask, matmuls=2, arrays=(q, k, v, q)),
@@ -152,18 +160,29 @@ def _fwd(q, k, v, causal, scale, bq, bk, interpret, platform, mask: Band | None 
 
 
 def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform, mask: Band | None = None):
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)[:, :, None]  # (B, H, 1, T)
+    return backward_rows(q, k, v, do, lse, delta, causal, scale, bq, bk, interpret, platform, mask)
+
+
+def backward_rows(
+    q, k, v, do, lse, delta, causal, scale, bq, bk, interpret, platform, mask: Band | None = None, grad_dtype=None
+):
+    """(dQ, dK, dV) in ``grad_dtype`` (default their inputs') from L and D = rowsum(dO ⊙ O),
+    both (B, H, 1, T): the backward's only use of O."""
     mask = as_band(causal, mask)
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     groups = h // hkv
     q_blk, q_all, k_blk, k_all, row_blk, row_all, kq_blk = _specs(t, s, d, groups, bq, bk)
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)[:, :, None]  # (B, H, 1, T)
     dk, dv = pl.pallas_call(
         partial(_dkdv_kernel, scale=scale, mask=mask, bq=bq, bk=bk),
         grid=(b, h, s // bk),
         in_specs=[q_all, k_blk, k_blk, q_all, row_all, row_all],
         out_specs=[kq_blk, kq_blk],
-        out_shape=[jax.ShapeDtypeStruct((b, h, s, d), k.dtype), jax.ShapeDtypeStruct((b, h, s, d), v.dtype)],
+        out_shape=[
+            _out((b, h, s, d), grad_dtype or k.dtype, q, k, v, do, lse, delta),
+            _out((b, h, s, d), grad_dtype or v.dtype, q, k, v, do, lse, delta),
+        ],
         interpret=interpret,
         compiler_params=compiler_params(platform),
         cost_estimate=_cost(b, h, t, s, d, mask, matmuls=4, arrays=(q, k, v, do, k, v)),
@@ -174,7 +193,7 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform, mask: 
         grid=(b, h, t // bq),
         in_specs=[q_blk, k_all, k_all, q_blk, row_blk, row_blk],
         out_specs=q_blk,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=_out(q.shape, grad_dtype or q.dtype, q, k, v, do, lse, delta),
         interpret=interpret,
         compiler_params=compiler_params(platform),
         cost_estimate=_cost(b, h, t, s, d, mask, matmuls=3, arrays=(q, k, v, do, q)),
@@ -187,11 +206,11 @@ def _bwd(q, k, v, o, lse, do, causal, scale, bq, bk, interpret, platform, mask: 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _flash(q, k, v, mask, scale, bq, bk, interpret, platform):
-    return _fwd(q, k, v, mask, scale, bq, bk, interpret, platform)[0]
+    return forward(q, k, v, mask, scale, bq, bk, interpret, platform)[0]
 
 
 def _flash_fwd(q, k, v, mask, scale, bq, bk, interpret, platform):
-    o, lse = _fwd(q, k, v, mask, scale, bq, bk, interpret, platform)
+    o, lse = forward(q, k, v, mask, scale, bq, bk, interpret, platform)
     return o, (q, k, v, o, lse)
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from conductor.kernels._common import full_varying
 from conductor.kernels.attention._mask import Band, as_band, band
 
 _MASK = -1e30  # finite, so a fully masked row never produces NaN via (−∞) − (−∞)
@@ -50,8 +51,9 @@ def _scores(q_blk, k_blk, i, j, bq, bk, scale, mask: Band):
     return s
 
 
-def _forward(q, k, v, causal, scale, bq, bk, mask: Band | None = None):
-    # q: (B, Hkv, G, T, D); k, v: (B, Hkv, S, D)
+def forward(q, k, v, causal, scale, bq, bk, mask: Band | None = None, out_dtype=None):
+    """(O, L): O (B, Hkv, G, T, D) in ``out_dtype`` (default q's), L (B, Hkv, G, T) fp32;
+    q (B, Hkv, G, T, D), k and v (B, Hkv, S, D)."""
     nk = k.shape[2] // bk
     mask = as_band(causal, mask)
 
@@ -73,9 +75,13 @@ def _forward(q, k, v, causal, scale, bq, bk, mask: Band | None = None):
             o = corr[..., None] * o + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_blk.astype(jnp.float32))
             return o, m_new, corr * norm + p.sum(-1)
 
-        init = (jnp.zeros((*shape, v.shape[-1]), jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape))
+        init = (
+            full_varying((*shape, v.shape[-1]), 0.0, q_blk, k, v),
+            full_varying(shape, -jnp.inf, q_blk, k),
+            full_varying(shape, 0.0, q_blk, k),
+        )
         o, m, norm = lax.fori_loop(0, n, body, init)
-        return (o / norm[..., None]).astype(q.dtype), m + jnp.log(norm)
+        return (o / norm[..., None]).astype(out_dtype or q.dtype), m + jnp.log(norm)
 
     qb = _blocks(q, bq)
     o, lse = lax.map(one_q_block, (jnp.arange(qb.shape[0]), qb))
@@ -83,9 +89,15 @@ def _forward(q, k, v, causal, scale, bq, bk, mask: Band | None = None):
 
 
 def _backward(q, k, v, o, lse, do, causal, scale, bq, bk, mask: Band | None = None):
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)  # (B, Hkv, G, T)
+    return backward_rows(q, k, v, do, lse, delta, causal, scale, bq, bk, mask)
+
+
+def backward_rows(q, k, v, do, lse, delta, causal, scale, bq, bk, mask: Band | None = None, grad_dtype=None):
+    """(dQ, dK, dV) in ``grad_dtype`` (default their inputs') from the log-sum-exp L and
+    D = rowsum(dO ⊙ O) of the output: the backward's only use of O."""
     nq, nk = q.shape[3] // bq, k.shape[2] // bk
     mask = as_band(causal, mask)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)  # (B, Hkv, G, T)
 
     def q_slice(x, i):
         return lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)
@@ -105,9 +117,9 @@ def _backward(q, k, v, o, lse, do, causal, scale, bq, bk, mask: Band | None = No
             return dk, dv
 
         lower, upper = mask.query_blocks(j, bq, bk, nq)
-        zeros = jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32)
+        zeros = full_varying(k_blk.shape, 0.0, k_blk, v_blk, q, do), full_varying(v_blk.shape, 0.0, k_blk, v_blk, q, do)
         dk, dv = lax.fori_loop(lower, upper, body, zeros)
-        return dk.astype(k.dtype), dv.astype(v.dtype)
+        return dk.astype(grad_dtype or k.dtype), dv.astype(grad_dtype or v.dtype)
 
     def one_q_block(args):
         i, q_blk, do_blk, lse_blk, delta_blk = args
@@ -123,8 +135,8 @@ def _backward(q, k, v, o, lse, do, causal, scale, bq, bk, mask: Band | None = No
             ds = p * (dp - delta_blk[..., None])
             return dq + scale * jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_blk.astype(jnp.float32))
 
-        dq = lax.fori_loop(0, n, body, jnp.zeros(q_blk.shape, jnp.float32))
-        return dq.astype(q.dtype)
+        dq = lax.fori_loop(0, n, body, full_varying(q_blk.shape, 0.0, q_blk, do_blk, k, v))
+        return dq.astype(grad_dtype or q.dtype)
 
     kb = k.reshape(*k.shape[:2], nk, bk, k.shape[-1]).transpose(2, 0, 1, 3, 4)
     vb = v.reshape(*v.shape[:2], nk, bk, v.shape[-1]).transpose(2, 0, 1, 3, 4)
@@ -146,11 +158,11 @@ def _backward(q, k, v, o, lse, do, causal, scale, bq, bk, mask: Band | None = No
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _flash(q, k, v, mask, scale, bq, bk):
-    return _forward(q, k, v, mask, scale, bq, bk)[0]
+    return forward(q, k, v, mask, scale, bq, bk)[0]
 
 
 def _flash_fwd(q, k, v, mask, scale, bq, bk):
-    o, lse = _forward(q, k, v, mask, scale, bq, bk)
+    o, lse = forward(q, k, v, mask, scale, bq, bk)
     return o, (q, k, v, o, lse)
 
 

@@ -27,7 +27,8 @@ from typing import Literal
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from conductor.kernels.attention import AttentionBlockSizes
+from conductor.kernels._common import interpret_default
+from conductor.kernels.attention import AttentionBlockSizes, Blockwise
 from conductor.kernels.ring._gather import all_gather_local
 from conductor.kernels.ring._layout import (
     LAYOUTS,
@@ -57,6 +58,8 @@ def context_parallel_attention_shard(
     form: Form = "ring",
     scale: float | None = None,
     block_sizes: AttentionBlockSizes | None = None,
+    implementation: Blockwise = "xla_chunked",
+    interpret: bool | None = None,
 ):
     """Attention of one device's slice, to call inside ``jax.shard_map`` over ``axis_name``.
 
@@ -69,6 +72,10 @@ def context_parallel_attention_shard(
       form: ``"ring"`` (K/V blocks travel by ``ppermute``) or ``"all_gather"``.
       scale: score multiplier; default 1/√head_dim.
       block_sizes: tile lengths inside each chunk pair; each must divide the chunk length.
+      implementation: the blockwise kernel each chunk pair runs (:func:`conductor.kernels.attention.flash_forward`):
+        ``"xla_chunked"`` or ``"pallas"`` (interpreted on CPU unless ``interpret`` says otherwise;
+        interpreted Pallas needs ``check_vma=False`` on the enclosing ``shard_map``, as
+        :func:`ring_attention` passes, since jax's interpreter gives its loop carries no axis types).
     Returns:
       (batch, seq/n, heads, head_dim), differentiable (custom VJP: a second ring pass).
     Raises:
@@ -90,7 +97,19 @@ def context_parallel_attention_shard(
             f"local length {q.shape[1]} must split into chunks of {length} that blocks ({bq}, {bk}) divide"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    ring = Ring(axis_name=axis_name, n=n, layout=layout, causal=causal, scale=scale, block_q=bq, block_k=bk)
+    if implementation not in ("xla_chunked", "pallas"):
+        raise ValueError(f"implementation={implementation!r}; choose xla_chunked or pallas")
+    ring = Ring(
+        axis_name=axis_name,
+        n=n,
+        layout=layout,
+        causal=causal,
+        scale=scale,
+        block_q=bq,
+        block_k=bk,
+        implementation=implementation,
+        interpret=interpret_default(interpret),
+    )
     b, t, h, d = q.shape
     hkv = k.shape[2]
     # (B, T, H, D) → (B, Hkv, G, T, D): query head h = kv_head · G + g
@@ -115,6 +134,8 @@ def ring_attention(
     block_sizes: AttentionBlockSizes | None = None,
     batch_axis: str | None = None,
     head_axis: str | None = None,
+    implementation: Blockwise = "xla_chunked",
+    interpret: bool | None = None,
 ):
     """Context-parallel attention of whole (batch, seq, heads, head_dim) arrays whose seq is in ``layout`` order.
 
@@ -126,10 +147,23 @@ def ring_attention(
 
     def shard(q, k, v):
         return context_parallel_attention_shard(
-            q, k, v, axis_name=axis_name, causal=causal, layout=layout, form=form, scale=scale, block_sizes=block_sizes
+            q,
+            k,
+            v,
+            axis_name=axis_name,
+            causal=causal,
+            layout=layout,
+            form=form,
+            scale=scale,
+            block_sizes=block_sizes,
+            implementation=implementation,
+            interpret=interpret,
         )
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+    # jax's Pallas interpreter gives its loop carries no mesh-axis types, which a type-checked
+    # shard_map refuses; compiled Pallas kernels and the XLA kernels are checked
+    checked = not (implementation == "pallas" and interpret_default(interpret))
+    return jax.shard_map(shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=checked)(q, k, v)
 
 
 __all__ = [

@@ -23,7 +23,8 @@ from typing import Literal
 import jax.numpy as jnp
 from jax import lax
 
-from conductor.kernels.ring._block import block_backward, block_forward, full_varying
+from conductor.kernels._common import full_varying
+from conductor.kernels.attention import AttentionBlockSizes, flash_backward, flash_forward
 from conductor.kernels.ring._layout import DIAGONAL, FULL, Layout, chunk_index, chunks_per_device, pair_kind
 
 Relation = Literal["self", "before", "after"]  # src = me, src < me, src > me
@@ -40,6 +41,8 @@ class Ring:
     scale: float
     block_q: int
     block_k: int
+    implementation: str = "xla_chunked"
+    interpret: bool = False
 
     @property
     def chunks(self) -> int:
@@ -87,8 +90,20 @@ def plan(ring: Ring, relation: Relation) -> tuple[_Call, ...]:
     return _plan(static_kinds(ring, relation))
 
 
-def _sizes(ring: Ring, length: int) -> tuple[int, int]:
-    return min(ring.block_q, length), min(ring.block_k, length)
+def _kernel(ring: Ring, length: int) -> dict:
+    """The blockwise kernel's settings for chunks of ``length``."""
+    sizes = AttentionBlockSizes(block_q=min(ring.block_q, length), block_k=min(ring.block_k, length))
+    return dict(scale=ring.scale, block_sizes=sizes, implementation=ring.implementation, interpret=ring.interpret)
+
+
+def _heads(x):
+    """(B, Hkv, G, T, …) → (B, Hkv·G, T, …): the kernels' heads-major layout (free: no data moves)."""
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _grouped(x, like):
+    """The inverse of :func:`_heads`, with ``like``'s (B, Hkv, G)."""
+    return x.reshape(*like.shape[:3], *x.shape[2:])
 
 
 def _combine(o, lse, o_new, lse_new):
@@ -115,13 +130,13 @@ def empty_accumulator(q, head_dim_v: int):
 def attend(ring: Ring, q, acc, k, v, relation: Relation):
     """Folds one K/V block into the local queries' (O, L) accumulator under a static ``relation``."""
     length = q.shape[3] // ring.chunks
-    bq, bk = _sizes(ring, length)
+    kernel = _kernel(ring, length)
     o, lse = acc
     for c in plan(ring, relation):
         rows, cols = slice(c.q0 * length, c.q1 * length), slice(c.k0 * length, c.k1 * length)
-        new_o, new_lse = block_forward(
-            q[:, :, :, rows], k[:, :, cols], v[:, :, cols], diagonal=c.diagonal, scale=ring.scale, bq=bq, bk=bk
-        )
+        q_c = q[:, :, :, rows]
+        new_o, new_lse = flash_forward(_heads(q_c), k[:, :, cols], v[:, :, cols], causal=c.diagonal, **kernel)
+        new_o, new_lse = _grouped(new_o, q_c), _grouped(new_lse, q_c)
         o_c, lse_c = _combine(o[:, :, :, rows], lse[:, :, :, rows], new_o, new_lse)
         o, lse = o.at[:, :, :, rows].set(o_c), lse.at[:, :, :, rows].set(lse_c)
     return o, lse
@@ -139,24 +154,23 @@ def grads(ring: Ring, rows, dq, k, v, relation: Relation):
     """
     q, do, lse, delta = rows
     length = q.shape[3] // ring.chunks
-    bq, bk = _sizes(ring, length)
+    kernel = _kernel(ring, length)
     # a step that skips every pair returns these as they are, so they vary as a computed one would
     dk, dv = full_varying(k.shape, 0.0, q, k, v), full_varying(v.shape, 0.0, q, k, v)
     for c in plan(ring, relation):
         r, s = slice(c.q0 * length, c.q1 * length), slice(c.k0 * length, c.k1 * length)
-        dq_c, dk_c, dv_c = block_backward(
-            q[:, :, :, r],
+        q_c = q[:, :, :, r]
+        dq_c, dk_c, dv_c = flash_backward(
+            _heads(q_c),
             k[:, :, s],
             v[:, :, s],
-            do[:, :, :, r],
-            lse[:, :, :, r],
-            delta[:, :, :, r],
-            diagonal=c.diagonal,
-            scale=ring.scale,
-            bq=bq,
-            bk=bk,
+            _heads(do[:, :, :, r]),
+            _heads(lse[:, :, :, r]),
+            _heads(delta[:, :, :, r]),
+            causal=c.diagonal,
+            **kernel,
         )
-        dq = dq.at[:, :, :, r].add(dq_c)
+        dq = dq.at[:, :, :, r].add(_grouped(dq_c, q_c))
         dk, dv = dk.at[:, :, s].add(dk_c), dv.at[:, :, s].add(dv_c)
     return dq, dk, dv
 
