@@ -111,11 +111,17 @@ def _default_shape(name: str, config: GPTConfig | MambaConfig) -> tuple[int, int
     return 8, 2048
 
 
+# the 1T GPT of Megatron-LM's weak-scaling runs (Narayanan et al., SC'21, arXiv 2104.04473, Table 1), the
+# largest shape the planner is held to at scale (3072 A100)
+SCALE_PRESETS: dict[str, GPTConfig] = {
+    "gpt-1t": GPTConfig(vocab_size=51200, max_seq_len=2048, num_layers=128, num_heads=160, d_model=25600),
+}
+
 RECIPES: dict[str, Recipe] = {
     name: Recipe(
         name=name, config=config, batch_size=_default_shape(name, config)[0], seq_len=_default_shape(name, config)[1]
     )
-    for name, config in {**GPT_PRESETS, **MAMBA_PRESETS}.items()
+    for name, config in {**GPT_PRESETS, **SCALE_PRESETS, **MAMBA_PRESETS}.items()
 }
 
 

@@ -46,6 +46,8 @@ def test_presets_load_with_their_device_counts():
         "mixed-4type-64": {"h100": 16, "a100": 16, "v100": 16, "l4": 16},
         "mixed-4type-512": {"h100": 128, "a100": 128, "v100": 128, "l4": 128},
         "tpu-v4-16": {"tpu-v4": 16},
+        "dgx-a100-1024": {"a100": 1024},
+        "dgx-a100-3072": {"a100": 3072},
     }
     assert set(expected) | {"local"} == set(preset_names())
     for name, counts in expected.items():
