@@ -17,6 +17,14 @@ types, and each type's replicas take their own batch share (``CostTable.shares``
 the fast type more samples per microbatch. Its name is the types joined by
 "+" (``"a100+v100"``), which is also its key wherever a type is looked up,
 so code that expects one type fails loudly on it rather than using one part.
+
+A group of one type may also split each sequence over ``cp`` devices (context parallelism, its
+attention as ring or all-gather attention): ``size = tp · cp · dp``, the ``cp`` ranks of a replica
+holding its parameters and its samples. Under the cost model a device then does the work of
+m/cp samples, as data parallelism over cp more replicas would, plus the ring's communication,
+so context parallelism pays only where data parallelism cannot go: where a layer does not fit
+one device even at one sample per microbatch. :func:`context_parallel_configs` offers it there
+alone (docs/planner.md, "Context parallelism"), so the space elsewhere is the space without it.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ class GroupConfig:
     tp: int
     recompute: bool
     parts: tuple[tuple[str, int], ...] = ()  # a mixed group's (type, devices), in type order
+    cp: int = 1  # context-parallel degree: the devices each sequence is split over
 
     @property
     def dp(self) -> int:
-        return self.size // self.tp
+        return self.size // (self.tp * self.cp)
 
     @property
     def mixed(self) -> bool:
@@ -52,10 +61,11 @@ def stage_group(stage) -> GroupConfig:
     """The group a plan's :class:`~orchestrator.planner.Stage` runs on."""
     return GroupConfig(
         device_type=stage.device_type,
-        size=stage.tp * stage.dp,
+        size=stage.tp * stage.cp * stage.dp,
         tp=stage.tp,
         recompute=stage.recompute,
         parts=tuple(stage.parts),
+        cp=stage.cp,
     )
 
 
@@ -150,6 +160,43 @@ def group_configs(
     return configs
 
 
+def context_parallel_configs(
+    infos: dict[str, TypeInfo],
+    *,
+    seq_len: int,
+    device_types: set[str],
+    global_batch: int | None = None,
+    recompute: bool = True,
+    tensor_parallel: bool = True,
+) -> list[GroupConfig]:
+    """Context-parallel groups on ``device_types``: each size and tp of :func:`group_configs` with
+    every power of two cp ≥ 2 such that tp·cp divides the size and 2·cp divides ``seq_len`` (the
+    zigzag layout cuts each sequence into 2·cp chunks), and the data-parallel degree
+    size / (tp·cp) divides ``global_batch``.
+
+    Example:
+      >>> from orchestrator.cluster import load_cluster
+      >>> infos = type_infos(load_cluster("a100x8"))
+      >>> groups = context_parallel_configs(infos, seq_len=64, device_types={"a100"}, global_batch=1, recompute=False)
+      >>> sorted((g.size, g.tp, g.cp) for g in groups)[:4]
+      [(2, 1, 2), (4, 1, 4), (4, 2, 2), (8, 1, 8)]
+    """
+    mine = {name: info for name, info in infos.items() if name in device_types}
+    configs = []
+    for group in group_configs(mine, recompute=recompute, tensor_parallel=tensor_parallel):
+        cp = 2
+        while group.tp * cp <= group.size:
+            dp, rest = divmod(group.size, group.tp * cp)
+            if not rest and seq_len % (2 * cp) == 0 and not (global_batch and global_batch % dp):
+                configs.append(
+                    GroupConfig(
+                        device_type=group.device_type, size=group.size, tp=group.tp, recompute=group.recompute, cp=cp
+                    )
+                )
+            cp *= 2
+    return configs
+
+
 def mixed_group_configs(
     infos: dict[str, TypeInfo], *, recompute: bool = True, tensor_parallel: bool = True
 ) -> list[GroupConfig]:
@@ -185,6 +232,13 @@ def group_links(config: GroupConfig, info: TypeInfo) -> tuple[Link, Link]:
     """(tensor-parallel link, data-parallel link) of a group of one type."""
     dp_link = info.intra_link if config.size <= info.per_host else info.inter_link
     return info.intra_link, dp_link
+
+
+def context_link(config: GroupConfig, info: TypeInfo) -> Link:
+    """The link between neighbours of a group's context-parallel ring: in ring order
+    (``orchestrator.cluster.ring_order``) a ring inside a host never leaves it, and one over
+    hosts crosses their slowest link."""
+    return info.intra_link if config.tp * config.cp <= info.per_host else info.inter_link
 
 
 def slowest(links) -> Link:

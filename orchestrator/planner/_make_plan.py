@@ -46,6 +46,7 @@ def make_plan(
             devices=devices[s],
             tp=g.tp,
             dp=g.dp,
+            cp=g.cp,
             recompute=g.recompute,
             zero=space.table.zero and g.dp > 1,
             microbatch_size=space.table.microbatch(g, M),

@@ -33,6 +33,8 @@ class Stage:
         replica r is ``devices[r·tp:(r+1)·tp]``, one tensor-parallel group inside one host
         (on two types: the first type's replicas, then the second's).
       tp, dp: tensor- and data-parallel degrees.
+      cp: context-parallel degree: each replica splits its sequences over cp·tp devices,
+        ``devices[r·tp·cp:(r+1)·tp·cp]``, the tensor-parallel groups of its ring positions in ring order.
       recompute: whether it recomputes its forward pass in the backward pass.
       zero: whether its optimizer state is sharded over its data-parallel replicas (ZeRO-1).
       fsdp: whether its parameters, gradients and optimizer state are all sharded over its
@@ -74,6 +76,7 @@ class Stage:
     dp_sync_s: float = 0.0
     optimizer_s: float = 0.0
     zero: bool = False
+    cp: int = 1
     fsdp: bool = False
     sequence_parallel: bool = False
     selective_recompute: bool = False
@@ -93,8 +96,9 @@ class Coverage:
     Attributes:
       microbatches: the microbatch counts M searched.
       max_stages: the deepest pipeline searched.
-      groups: every stage configuration searched, as (device type, devices, tp, recompute); a stage
-        of a plan in the space is one of them, at any position.
+      groups: every stage configuration searched, as (device type, devices, tp, recompute), with a
+        fifth entry, cp, for a context-parallel one; a stage of a plan in the space is one of them,
+        at any position.
       virtual_stages: the virtual-stage counts v (interleaved 1F1B chunks per stage) the bound
         holds over. The planner's ILP bounds plain schedules (v = 1); a plan it returns may use
         v > 1, chosen after the ILP, which makes it no slower than the best plan of this space
@@ -124,7 +128,7 @@ class Coverage:
         return cls(
             microbatches=tuple(data["microbatches"]),
             max_stages=data["max_stages"],
-            groups=tuple((kind, size, tp, bool(rc)) for kind, size, tp, rc in data["groups"]),
+            groups=tuple((kind, size, tp, bool(rc), *cp) for kind, size, tp, rc, *cp in data["groups"]),
             virtual_stages=tuple(data.get("virtual_stages", (1,))),
         )
 
@@ -240,7 +244,7 @@ class Plan:
                 str(i),
                 f"{s.layers[0]}–{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
                 s.devices_text,
-                str(s.tp),
+                str(s.tp) if s.cp == 1 else f"{s.tp} (cp {s.cp})",
                 f"{s.dp} (ZeRO)" if s.zero else str(s.dp),
                 "yes" if s.recompute else "no",
                 "/".join(map(str, s.shares)) if s.shares else str(s.microbatch_size),
@@ -307,16 +311,15 @@ def _checked(plan: Plan) -> Plan:
     seen: set[str] = set()
     for i, stage in enumerate(plan.stages):
         where = f"stages[{i}]"
-        for name in ("tp", "dp", "microbatch_size"):
+        for name in ("tp", "dp", "cp", "microbatch_size"):
             _count(getattr(stage, name), f"{where}.{name}")
         for name in ("time_s", "memory_bytes", "forward_s", "send_s", "dp_sync_s", "optimizer_s"):
             _amount(getattr(stage, name), f"{where}.{name}")
         if not stage.layers or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in stage.layers):
             raise ValueError(f"{where}.layers must be a non-empty list of layer indices, got {list(stage.layers)!r}")
-        if not all(isinstance(ref, str) for ref in stage.devices) or len(stage.devices) != stage.tp * stage.dp:
-            raise ValueError(
-                f"{where}.devices must be tp·dp = {stage.tp * stage.dp} device refs, got {len(stage.devices)}"
-            )
+        size = stage.tp * stage.cp * stage.dp
+        if not all(isinstance(ref, str) for ref in stage.devices) or len(stage.devices) != size:
+            raise ValueError(f"{where}.devices must be tp·cp·dp = {size} device refs, got {len(stage.devices)}")
         if seen & set(stage.devices) or len(set(stage.devices)) != len(stage.devices):
             raise ValueError(f"{where}.devices: a device appears twice in the plan")
         seen |= set(stage.devices)

@@ -10,6 +10,7 @@ from orchestrator.planner._groups import (
     MEMORY_HEADROOM,
     GroupConfig,
     TypeInfo,
+    context_parallel_configs,
     group_configs,
     mixed_group_configs,
     pair_links,
@@ -41,8 +42,9 @@ class SearchSpace:
     layers: int
 
     def coverage(self, microbatches, max_stages: int) -> Coverage:
-        """This space searched at ``microbatches`` (counts M) up to ``max_stages`` stages."""
-        groups = tuple((g.device_type, g.size, g.tp, g.recompute) for g in self.groups)
+        """This space searched at ``microbatches`` (counts M) up to ``max_stages`` stages; a
+        context-parallel group is named with its degree, (type, devices, tp, recompute, cp)."""
+        groups = tuple((g.device_type, g.size, g.tp, g.recompute) + ((g.cp,) if g.cp > 1 else ()) for g in self.groups)
         return Coverage(microbatches=tuple(microbatches), max_stages=max_stages, groups=groups)
 
     def stage_model(
@@ -92,19 +94,27 @@ def search_space(
         mixed_group_configs(infos, **settings) if mixed else []
     )
     links = pair_links(model.cluster, infos)
+    table = CostTable(
+        model,
+        infos,
+        global_batch,
+        zero=zero,
+        links=links,
+        sequence_parallel=sequence_parallel,
+        selective_recompute=selective_recompute,
+        overlap_param_gather=overlap_param_gather,
+    )
+    # context parallelism only where it is needed, and never on a stand-in cost model without attention
+    attention_length = getattr(model, "attention_length", lambda: None)
+    if (length := attention_length()) is not None:
+        needed = table.needs_context_parallel(groups)
+        groups += context_parallel_configs(
+            infos, seq_len=length, device_types=needed, global_batch=global_batch, **settings
+        )
     return SearchSpace(
         infos=infos,
         groups=groups,
-        table=CostTable(
-            model,
-            infos,
-            global_batch,
-            zero=zero,
-            links=links,
-            sequence_parallel=sequence_parallel,
-            selective_recompute=selective_recompute,
-            overlap_param_gather=overlap_param_gather,
-        ),
+        table=table,
         links=with_mixed_links(links, groups),
         runs=layer_runs(keys),
         layers=len(model.layers),

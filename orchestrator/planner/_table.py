@@ -13,15 +13,15 @@ import numpy as np
 from orchestrator.cluster import Link
 from orchestrator.costs import CostModel, ParallelConfig, all_reduce_s, p2p_s
 from orchestrator.planner._deadline import Deadline
-from orchestrator.planner._groups import GroupConfig, TypeInfo, group_links, slowest
+from orchestrator.planner._groups import GroupConfig, TypeInfo, context_link, group_links, slowest
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One layer in one group at one microbatch count, per microbatch and per device."""
 
-    time_s: float  # forward + backward (+ recompute) + TP all-reduces
-    forward_s: float  # the forward part of time_s, its TP all-reduces included
+    time_s: float  # forward + backward (+ recompute) + TP all-reduces + exposed context-parallel sends
+    forward_s: float  # the forward part of time_s, its TP all-reduces and ring sends included
     static_bytes: float  # parameters, gradients, optimizer state
     activation_bytes: float  # kept per in-flight microbatch
     transient_bytes: float
@@ -186,6 +186,10 @@ class CostTable:
             dp_link = slowest([self.links[t, t2] for t in group.by_type for t2 in group.by_type])
         else:
             tp_link, dp_link = group_links(group, info)
+        # a ring's link only where there is a ring: stand-in cost models (the bench's synthetic one) take no cp_link
+        links = {"tp_link": tp_link, "dp_link": dp_link} | (
+            {"cp_link": context_link(group, info)} if group.cp > 1 else {}
+        )
         config = ParallelConfig(
             tp=group.tp,
             dp=group.dp,
@@ -195,12 +199,13 @@ class CostTable:
             sequence_parallel=self.sequence_parallel and group.tp > 1,
             selective_recompute=self.selective_recompute,
             overlap_param_gather=self.overlap_param_gather,
+            context_parallel=group.cp,
         )
-        cost = self.model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link)
+        cost = self.model.layer_cost(layer, kind, config, **links)
         tp_forward_s = all_reduce_s(cost.breakdown.get("tp_forward_bytes", 0.0), group.tp, tp_link)
         self._entries[key] = Entry(
-            time_s=cost.forward_s + cost.backward_s + cost.tp_comm_s,
-            forward_s=cost.forward_s + tp_forward_s,
+            time_s=cost.forward_s + cost.backward_s + cost.tp_comm_s + cost.cp_comm_s,
+            forward_s=cost.forward_s + tp_forward_s + cost.breakdown.get("cp_forward_s", 0.0),
             static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
             activation_bytes=cost.activation_bytes,
             transient_bytes=cost.transient_bytes,
@@ -208,6 +213,36 @@ class CostTable:
             optimizer_s=cost.optimizer_s,
         )
         return self._entries[key]
+
+    def needs_context_parallel(self, groups: list[GroupConfig]) -> set[str]:
+        """The device types on which some layer fits no device of any of ``groups`` (one type, no
+        context parallelism) at one sample per microbatch: where only splitting the sequence can
+        help. Priced once per kind of layer, type, tp and recompute, straight from the cost model:
+        these prices are no entries of the table."""
+        options: dict[str, set[tuple[int, bool]]] = {}
+        for group in groups:
+            if not group.mixed and group.cp == 1:
+                options.setdefault(group.device_type, set()).add((group.tp, group.recompute))
+        needed = set()
+        for kind, choices in options.items():
+            info = self.infos[kind]
+            for layer in sorted(set(self._representative)):
+                if self.deadline is not None:
+                    self.deadline.check()
+                least = min(
+                    self.model.layer_cost(
+                        layer,
+                        kind,
+                        ParallelConfig(tp=tp, microbatch_size=1, recompute=recompute),
+                        tp_link=info.intra_link,
+                        dp_link=info.intra_link,
+                    ).memory_bytes()
+                    for tp, recompute in sorted(choices)
+                )
+                if least > info.memory_bytes:
+                    needed.add(kind)
+                    break
+        return needed
 
     def state_bytes(self, layer: int, device_type: str) -> float:
         """Parameters and optimizer state of ``layer``, unsharded: what moving it moves."""

@@ -67,8 +67,9 @@ def resource(a: str, b: str) -> str:
 
 
 def replicas(stage: Stage) -> list[tuple[str, ...]]:
-    """The stage's data-parallel replicas, each ``tp`` consecutive devices (replica-major order)."""
-    return [stage.devices[r * stage.tp : (r + 1) * stage.tp] for r in range(stage.dp)]
+    """The stage's data-parallel replicas, each ``tp·cp`` consecutive devices (replica-major order)."""
+    size = stage.tp * stage.cp
+    return [stage.devices[r * size : (r + 1) * size] for r in range(stage.dp)]
 
 
 def sync_ring(stage: Stage) -> tuple[str, ...]:
@@ -118,8 +119,9 @@ def check(plan: Plan) -> None:
     if plan.microbatches < 1:
         raise ValueError(f"the plan has {plan.microbatches} microbatches; it needs at least 1")
     for s, st in enumerate(plan.stages):
-        if len(st.devices) != st.tp * st.dp:
-            raise ValueError(f"stage {s} lists {len(st.devices)} devices but tp·dp = {st.tp}·{st.dp}")
+        if len(st.devices) != st.tp * st.cp * st.dp:
+            ring = f" · cp {st.cp}" if st.cp > 1 else ""
+            raise ValueError(f"stage {s} lists {len(st.devices)} devices but tp·dp = {st.tp}·{st.dp}{ring}")
         if any("/" not in d for d in st.devices):
             raise ValueError(f"stage {s} has a device ref without 'host/index': {st.devices}")
         backward = st.time_s - st.forward_s - 2 * st.send_s
@@ -216,7 +218,9 @@ def _layer_costs(plan: Plan, st: Stage, model):
     shares = st.shares or (st.microbatch_size,)
     per_part = []
     for (kind, _), samples in zip(parts, shares):
-        config = ParallelConfig(tp=st.tp, dp=st.dp, microbatch_size=samples, recompute=st.recompute, zero=st.zero)
+        config = ParallelConfig(
+            tp=st.tp, dp=st.dp, microbatch_size=samples, recompute=st.recompute, zero=st.zero, context_parallel=st.cp
+        )
         per_part.append(
             [model.layer_cost(layer, kind, config, tp_link=tp_link, dp_link=dp_link) for layer in st.layers]
         )

@@ -1,0 +1,59 @@
+"""Context-parallel groups: their arithmetic, where the planner offers them, and what the cost table prices."""
+
+import pytest
+
+from integrations.flax import capture
+from orchestrator.cluster import load_cluster
+from orchestrator.coarsen import coarsen
+from orchestrator.costs import CostModel, ParallelConfig
+from orchestrator.planner._groups import GroupConfig, context_parallel_configs, type_infos
+from orchestrator.planner._space import search_space
+from recipes import get_recipe
+
+
+def test_groups_split_the_sequence_where_it_divides():
+    infos = type_infos(load_cluster("a100x8"))
+    groups = context_parallel_configs(infos, seq_len=64, device_types={"a100"}, recompute=False)
+    assert {(g.size, g.tp, g.cp) for g in groups if g.size == 8} == {
+        (8, 1, 2),
+        (8, 1, 4),
+        (8, 1, 8),
+        (8, 2, 2),
+        (8, 2, 4),
+        (8, 4, 2),
+    }
+    assert all(g.size == g.tp * g.cp * g.dp for g in groups)
+    # the zigzag layout needs 2·cp chunks: T = 12 takes cp 2 only
+    assert {g.cp for g in context_parallel_configs(infos, seq_len=12, device_types={"a100"})} == {2}
+    # a data-parallel degree the batch does not divide is left out
+    assert all(g.dp == 1 for g in context_parallel_configs(infos, seq_len=64, device_types={"a100"}, global_batch=1))
+    assert context_parallel_configs(infos, seq_len=64, device_types=set()) == []
+    assert GroupConfig(device_type="a100", size=8, tp=2, recompute=False, cp=2).dp == 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    recipe = get_recipe("gpt-tiny")
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec())
+    return CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=8, param_axes=recipe.param_axes())
+
+
+def test_ample_memory_offers_no_context_parallelism(tiny):
+    """Where every layer fits a device without it, the space is the space without context parallelism."""
+    space = search_space(tiny, 8, recompute=True)
+    assert all(g.cp == 1 for g in space.groups)
+    assert all(len(group) == 4 for group in space.coverage([8], 4).groups)
+
+
+def test_the_table_prices_the_ring_into_the_stage_time(tiny):
+    space = search_space(tiny, 8, recompute=False)
+    plain = GroupConfig(device_type="a100", size=2, tp=1, recompute=False)
+    split = GroupConfig(device_type="a100", size=2, tp=1, recompute=False, cp=2)
+    block = 1
+    a, b = space.table.entry(block, plain, 1), space.table.entry(block, split, 1)
+    # plain: 2 replicas of 4 samples; split: one replica of 8 samples over 2 devices, 4 samples' work each
+    cost = tiny.layer_cost(block, "a100", ParallelConfig(microbatch_size=8, context_parallel=2))
+    assert b.time_s == pytest.approx(a.time_s + cost.cp_comm_s)
+    assert b.forward_s == pytest.approx(a.forward_s + cost.breakdown["cp_forward_s"])
+    assert b.activation_bytes == pytest.approx(a.activation_bytes)
+    assert b.transient_bytes > a.transient_bytes  # the K/V blocks in flight
