@@ -184,16 +184,23 @@ class CausalSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x):  # (batch, seq, d_model)
         cfg = self.config
-        seq = x.shape[1]
         qkv = _dense((3, cfg.num_heads, cfg.head_dim), ("embed", None, "heads", "kv"), "c_attn", cfg.dtype)(x)
         # (batch, seq, heads, head_dim) each
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(cfg.head_dim)
+        out = self.core_attention(q, k, v)
+        return _dense(cfg.d_model, ("heads", "kv", "embed"), "c_proj", cfg.dtype, axis=(-2, -1))(out)
+
+    def core_attention(self, q, k, v):
+        """softmax(QKᵀ/√d_h + causal mask) V of (batch, seq, heads, head_dim) arrays, in sequence order.
+
+        A method of its own, so an executor can run it another way (``nn.intercept_methods``): under
+        context parallelism the sequence is split and this becomes ring attention."""
+        seq = q.shape[1]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.config.head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         weights = nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-        return _dense(cfg.d_model, ("heads", "kv", "embed"), "c_proj", cfg.dtype, axis=(-2, -1))(out)
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -270,7 +277,7 @@ class GPT(nn.Module):
                 embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
                 name="wpe",
             )
-            x = x + wpe(jnp.arange(seq))[None]
+            x = x + wpe(self.positions(seq))[None]
         block = nn.remat(Block) if cfg.remat else Block
         for i in range(cfg.num_layers):
             x = block(cfg, name=f"blocks_{i}")(x)
@@ -278,3 +285,8 @@ class GPT(nn.Module):
         if cfg.llama:
             return _dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", cfg.dtype, use_bias=False)(x)
         return wte.attend(x)
+
+    def positions(self, seq: int):
+        """The position of each token of the sequence, (seq,): 0 … seq − 1. A method of its own, so an
+        executor that stores the sequence in another order reads that order's positions instead."""
+        return jnp.arange(seq)

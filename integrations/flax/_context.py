@@ -1,0 +1,143 @@
+"""Context parallelism: a Flax train step whose sequences are split over devices, attention run as ring attention.
+
+Each sequence of the batch is stored in the zigzag layout (``conductor.kernels.ring.to_layout``:
+2n chunks, device r holding chunks r and 2n−1−r, which balances a causal mask) and sharded over
+the mesh axis ``"context"``, whose device order is the ring order; the batch is split over
+``"data"`` as usual and the state is replicated over both. Everything that works token by token —
+embeddings, norms, MLPs, the residual stream, the loss (a mean over tokens, which no permutation
+changes) — runs on the permuted sequence unchanged, XLA's SPMD partitioner splitting it along the
+sequence. Two things read the order, and a model names them as methods of its modules:
+
+    positions(seq)            the position of each token, (seq,)                     → layout_positions
+    core_attention(q, k, v)   causal softmax(QKᵀ/√d) V over (batch, seq, heads, d)   → ring attention
+
+(``recipes.gpt.GPT`` does). Both are intercepted (``flax.linen.intercept_methods``) while the
+step is traced: positions come from the layout, and attention runs as ring or all-gather attention
+(``conductor.kernels.ring``) under ``jax.shard_map`` over the two axes, K/V blocks passed around
+the ring while each block computes. The form (ring or all-gather) is the cost model's choice
+(``orchestrator.costs.context_parallel_cost``), passed in as ``form``.
+
+Example:
+    >>> mesh = context_mesh(jax.devices()[:8], context_parallel=4)  # doctest: +SKIP
+    >>> step = context_parallel_step(recipe.train_step, mesh)  # doctest: +SKIP
+    >>> state, metrics = step(replicate(state, mesh), context_batch(batch, mesh))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conductor.kernels import AttentionBlockSizes
+from conductor.kernels.ring import Form, Layout, layout_positions, ring_attention, to_layout
+from orchestrator.cluster import ring_order
+
+DATA, CONTEXT = "data", "context"
+POSITIONS, CORE_ATTENTION = "positions", "core_attention"
+
+
+def context_mesh(devices: Sequence, *, context_parallel: int) -> Mesh:
+    """The ``("data", "context")`` mesh of ``devices``, replica-major: replica r is
+    ``devices[r·n:(r+1)·n]``, in that order around its ring (give them in ring order:
+    ``orchestrator.cluster.ring_order``)."""
+    n = context_parallel
+    if n < 1 or len(devices) % n:
+        raise ValueError(f"{len(devices)} devices do not split into context-parallel rings of {n}")
+    return Mesh(np.array(devices, dtype=object).reshape(len(devices) // n, n), (DATA, CONTEXT))
+
+
+def stage_context_mesh(stage, devices: Mapping[str, jax.Device], cluster=None) -> Mesh:
+    """The :func:`context_mesh` of a plan's single-device-type stage with ``stage.cp`` > 1 and no
+    tensor parallelism: its devices (refs looked up in ``devices``, ``device_map``), each replica's
+    ring in ring order on ``cluster`` (``orchestrator.cluster.ring_order``) when given.
+
+    Raises:
+      ValueError: the stage uses tensor parallelism with context parallelism, which this step does not run.
+    """
+    if stage.tp != 1:
+        raise ValueError(f"a stage with tp={stage.tp} and cp={stage.cp}: context parallelism runs without TP here")
+    refs = list(stage.devices)
+    if cluster is not None:
+        by_ref = {d.ref: d for d in cluster.all_devices()}
+        replicas = [refs[r * stage.cp : (r + 1) * stage.cp] for r in range(len(refs) // stage.cp)]
+        refs = [d.ref for replica in replicas for d in ring_order(cluster, [by_ref[ref] for ref in replica])]
+    return context_mesh([devices[ref] for ref in refs], context_parallel=stage.cp)
+
+
+def replicate(state, mesh: Mesh):
+    """``state`` placed whole on every device of ``mesh`` (the context ranks hold the same parameters)."""
+    # a copy: the step donates its state, and a placement may alias the caller's buffers
+    return jax.device_put(jax.tree.map(jnp.copy, state), NamedSharding(mesh, P()))
+
+
+def context_batch(batch, mesh: Mesh, *, layout: Layout = "zigzag"):
+    """Every (batch, seq) leaf of ``batch`` in natural order, reordered into ``layout`` over the
+    mesh's ring and placed with its batch over ``"data"`` and its sequence over ``"context"``.
+
+    Tokens and targets follow the same permutation, so each target still sits beside its input.
+    """
+    n = mesh.shape[CONTEXT]
+
+    def place(leaf):
+        leaf = to_layout(jnp.asarray(leaf), n, layout)
+        return jax.device_put(leaf, NamedSharding(mesh, P(DATA, CONTEXT)))
+
+    return jax.tree.map(place, batch)
+
+
+def context_parallel_step(
+    train_step: Callable,
+    mesh: Mesh,
+    *,
+    form: Form = "ring",
+    layout: Layout = "zigzag",
+    causal: bool = True,
+    block_sizes: AttentionBlockSizes | None = None,
+) -> Callable:
+    """``train_step`` jitted to run on sequences split over ``mesh``'s ``"context"`` axis.
+
+    Args:
+      train_step: ``train_step(state, batch) -> (state, metrics)`` of a Flax model whose modules
+        name ``positions`` and ``core_attention`` (module docstring).
+      mesh: a :func:`context_mesh`.
+      form: ``"ring"`` or ``"all_gather"`` attention.
+      layout: how each sequence is stored; the batch must be in it (:func:`context_batch`).
+      causal: whether ``core_attention`` masks later keys.
+      block_sizes: tile lengths inside each chunk (default: the kernels' own, capped at the chunk).
+    Returns:
+      ``step(state, batch) -> (state, metrics)`` for a :func:`replicate`-d state and a
+      :func:`context_batch`-placed batch.
+    """
+    n = mesh.shape[CONTEXT]
+
+    def interceptor(next_fun, args, kwargs, context):
+        if context.method_name == POSITIONS:
+            (seq,) = args
+            return jnp.asarray(layout_positions(seq, n, layout))
+        if context.method_name == CORE_ATTENTION:
+            q, k, v = args
+            return ring_attention(
+                q,
+                k,
+                v,
+                mesh=mesh,
+                axis_name=CONTEXT,
+                batch_axis=DATA,
+                causal=causal,
+                layout=layout,
+                form=form,
+                block_sizes=block_sizes,
+            )
+        return next_fun(*args, **kwargs)
+
+    def step(state, batch):
+        with nn.intercept_methods(interceptor):
+            return train_step(state, batch)
+
+    return jax.jit(step, donate_argnums=(0,))

@@ -1,0 +1,76 @@
+"""Context parallelism end to end: a GPT whose attention at T = 512 does not fit one small device is
+planned with the sequence split (CP > 1), and the plan trains 5 steps on 8 CPU devices, the sequence in
+the zigzag layout and attention run as ring attention, with the losses of one device at the same length."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from integrations.flax import capture
+from integrations.flax._context import (
+    context_batch,
+    context_parallel_step,
+    replicate,
+    stage_context_mesh,
+)
+from integrations.flax._shard import device_map
+from orchestrator.cluster import load_cluster
+from orchestrator.coarsen import coarsen
+from orchestrator.costs import CostModel, ParallelConfig
+from orchestrator.planner import Plan, plan
+from orchestrator.planner._groups import usable_memory_bytes
+from orchestrator.simulate import simulate
+from recipes import Recipe
+from recipes.gpt import GPTConfig
+
+CLUSTER = Path(__file__).parents[2] / "clusters" / "small-cpu-8.yaml"
+CONFIG = GPTConfig(vocab_size=256, max_seq_len=512, num_layers=2, num_heads=4, d_model=64)
+RECIPE = Recipe(name="gpt-long", config=CONFIG, batch_size=2, seq_len=512)
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def planned():
+    graph = capture(RECIPE.train_step, RECIPE.abstract_state(), RECIPE.batch_spec())
+    # no param_axes: no tensor parallelism, which the context-parallel step does not combine with
+    model = CostModel(graph, coarsen(graph), load_cluster(CLUSTER), batch_size=RECIPE.batch_size)
+    return model, plan(model, global_batch=RECIPE.batch_size, time_limit_s=10)
+
+
+def test_a_sequence_whose_attention_does_not_fit_one_device_is_split(planned):
+    model, found = planned
+    usable = usable_memory_bytes(model.cluster.device_types["small"].memory_bytes, 0.1)
+    block = next(i for i, layer in enumerate(model.layers) if "blocks_" in layer.name)
+    alone = model.layer_cost(block, "small", ParallelConfig(microbatch_size=1, recompute=True))
+    assert alone.memory_bytes() > usable  # one sample's attention on one device: no plan without CP
+    assert all(stage.cp > 1 for stage in found.stages if block in stage.layers)
+    assert all(stage.memory_bytes <= usable for stage in found.stages)
+    assert any(len(group) == 5 and group[4] > 1 for group in found.space.groups)  # the space names CP
+    assert Plan.from_json(found.to_json()) == found
+    assert simulate(found, model).iteration_s == pytest.approx(found.iteration_s, rel=1e-3)
+
+
+def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
+    _, found = planned
+    [stage] = found.stages
+    cluster = load_cluster(CLUSTER)
+    mesh = stage_context_mesh(stage, device_map(cluster), cluster)
+    assert dict(mesh.shape) == {"data": stage.dp, "context": stage.cp}
+    batches = [RECIPE.batch_for_step(0, step) for step in range(STEPS)]
+
+    reference, state = [], RECIPE.initial_state(0)
+    one_device = jax.jit(RECIPE.train_step)
+    for batch in batches:
+        state, metrics = one_device(state, batch)
+        reference.append(float(metrics["loss"]))
+
+    state = replicate(RECIPE.initial_state(0), mesh)
+    compiled = context_parallel_step(RECIPE.train_step, mesh).lower(state, context_batch(batches[0], mesh)).compile()
+    assert "collective-permute" in compiled.as_text()  # K/V blocks travel around the ring
+    losses = []
+    for batch in batches:
+        state, metrics = compiled(state, context_batch(batch, mesh))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
