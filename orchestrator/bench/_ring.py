@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from conductor.kernels import AttentionBlockSizes
 from conductor.kernels.ring import attention_flops_per_device, from_layout, ring_attention, to_layout
 from orchestrator.bench._conductor import Claim
+from orchestrator.bench._scan_ring import scan_ring_cases
 from orchestrator.costs import block_bytes, ring_permute_bytes
 
 BLOCKS = AttentionBlockSizes(block_q=128, block_k=128)
@@ -200,7 +201,8 @@ def ring_order_case() -> Claim:
 
 
 def ring_cases(*, quick: bool = False, progress=lambda name: None) -> list[Claim]:
-    """Every ring case; ``quick``: T = 1024 on rings of 2 and 4 (seconds, for tests)."""
+    """Every ring case, the sequence-sharded scan's included; ``quick``: T = 1024 on rings of 2 and 4
+    (seconds, for tests)."""
     seq, rings = (1024, (2, 4)) if quick else (8192, (2, 4, 8))
     rings = tuple(n for n in rings if n <= len(jax.devices()))
     claims = [ring_order_case()]
@@ -213,4 +215,4 @@ def ring_cases(*, quick: bool = False, progress=lambda name: None) -> list[Claim
     progress(f"ring attention compiled T={seq}")
     claims += compiled_cases(seq, rings)
     claims += balance_cases(seq, rings)
-    return claims
+    return claims + scan_ring_cases(quick=quick, progress=progress)

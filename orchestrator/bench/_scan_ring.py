@@ -1,8 +1,9 @@
 """The sequence-sharded selective scan's cases of ``orchestrator bench conductor``, on virtual CPU devices.
 
 Outputs and gradients against the one-device chunked scan (fp32, relative to the values' scale),
-the carry's collective bytes read from the compiled HLO against ``scan_carry_bytes``, and the
-per-device temp memory of the compiled gradient (``memory_analysis()``) by the number of shards.
+the carry's collective bytes read from the compiled HLO against ``scan_carry_bytes``, the
+per-device temp memory of the compiled gradient (``memory_analysis()``) by the number of shards,
+and a tiny Mamba's training losses sequence-sharded against the recipe on one device.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conductor.kernels.scan import ScanBlockSizes, scan_carry_bytes, selective_scan, sequence_sharded_scan
+from orchestrator.bench._case import rel_err
 from orchestrator.bench._conductor import Claim, rel_diff
 
 SIZES = ScanBlockSizes(chunk=64)
@@ -74,6 +76,17 @@ def compiled_scan_grad(n: int, seq: int, *, batch: int = 1, d_inner: int = D_INN
 
     a = spec(d_inner, d_state, sharding=NamedSharding(mesh, PartitionSpec()))
     x, bc = spec(batch, seq, d_inner), spec(batch, seq, d_state)
+    return jax.jit(jax.grad(loss, argnums=range(5))).lower(x, a, x, bc, bc).compile()
+
+
+def compiled_one_device_grad(seq: int, *, batch: int = 1, d_inner: int = D_INNER, d_state: int = D_STATE):
+    """The compiled gradient of Σ y of the one-device ``xla_chunked`` scan at length ``seq``, from shapes only."""
+
+    def loss(*args):
+        return jnp.sum(selective_scan(*args, block_sizes=SIZES, implementation="xla_chunked"))
+
+    x, bc = (jax.ShapeDtypeStruct((batch, seq, d), jnp.float32) for d in (d_inner, d_state))
+    a = jax.ShapeDtypeStruct((d_inner, d_state), jnp.float32)
     return jax.jit(jax.grad(loss, argnums=range(5))).lower(x, a, x, bc, bc).compile()
 
 
@@ -136,13 +149,17 @@ def compiled_cases(seq: int, shards: tuple[int, ...]) -> list[Claim]:
             )
         )
     first = shards[0]
+    # the one-device kernel on one device's slice alone: the level the sharded scan is held to
+    alone = {n: int(compiled_one_device_grad(seq // n).memory_analysis().temp_size_in_bytes) for n in shards}
     claims.append(
         Claim(
             name=f"scan_sharded_temp_memory_T{seq}",
-            ok=all(temp[a] > temp[b] for a, b in pairwise(shards)),
+            ok=all(temp[a] > temp[b] for a, b in pairwise(shards)) and all(temp[n] <= 2.5 * alone[n] for n in shards),
             figures={
                 **{f"temp_bytes_n{n}": temp[n] for n in shards},
                 **{f"temp_x_n_vs_n{first}_n{n}": temp[n] * n / (temp[first] * first) for n in shards},
+                **{f"one_device_temp_bytes_T{seq // n}": alone[n] for n in shards},
+                **{f"temp_vs_one_device_on_slice_n{n}": temp[n] / alone[n] for n in shards},
             },
         )
     )
@@ -150,15 +167,20 @@ def compiled_cases(seq: int, shards: tuple[int, ...]) -> list[Claim]:
 
 
 def scan_ring_cases(*, quick: bool = False, progress=lambda name: None) -> list[Claim]:
-    """Every sequence-sharded scan case; ``quick``: T = 2048 on 2 and 4 devices (seconds, for tests)."""
-    seq, shards = (2048, (2, 4)) if quick else (8192, (2, 4, 8))
+    """Every sequence-sharded scan case; ``quick``: T = 1024 on 2 and 4 devices and no training run
+    (seconds, for tests; ``tests/recipes`` trains)."""
+    seq, shards = (1024, (2, 4)) if quick else (8192, (2, 4, 8))
     shards = tuple(n for n in shards if n <= len(jax.devices()))
     if not shards:
         return []
     progress(f"sequence-sharded scan numerics T={seq}")
     claims = numerics_cases(seq, shards)
     progress(f"sequence-sharded scan compiled T={seq}")
-    return claims + compiled_cases(seq, shards)
+    claims += compiled_cases(seq, shards)
+    if not quick:
+        progress(f"sequence-sharded Mamba, {shards[-1]} devices")
+        claims.append(mamba_case(shards[-1], 2048))
+    return claims
 
 
 def mamba_sequence_sharded_loss(model, mesh: Mesh, axis_name: str = "context"):
@@ -219,3 +241,15 @@ def mamba_losses(n: int, seq: int, *, steps: int = 5) -> tuple[list[float], list
 
     tokens = NamedSharding(mesh, PartitionSpec(None, "context"))
     return run(sharded_loss, lambda batch: jax.device_put(batch, tokens)), run(written_loss, lambda batch: batch)
+
+
+def mamba_case(n: int, seq: int, *, steps: int = 5) -> Claim:
+    """Five AdamW steps of a tiny Mamba sequence-sharded over ``n`` devices against the recipe on one
+    device: every step's loss within 1e-5 relative."""
+    sharded, written = mamba_losses(n, seq, steps=steps)
+    worst = max(abs(rel_err(s, w)) for s, w in zip(sharded, written))
+    return Claim(
+        name=f"scan_sharded_mamba_steps_n{n}_T{seq}",
+        ok=worst <= 1e-5 and written[-1] < written[0],
+        figures={"sharded_losses": sharded, "one_device_losses": written, "max_loss_rel_err": worst},
+    )
