@@ -9,8 +9,8 @@ is rebuilt here as what the planner sees:
   memory), NVLink inside a host, one InfiniBand NIC per GPU between hosts (:data:`LINKS`);
 * the published configuration: PP stages of equal block counts (the embedding with the first,
   the head with the last, as Megatron-LM places them), each on TP·DP devices of one type, with
-  M = B / (DP · microbatch) microbatches and the run's recompute, ZeRO, sequence-parallel and
-  parameter-gather overlap settings.
+  M = B / (DP · microbatch) microbatches, the run's virtual stages (interleaved 1F1B) and its
+  recompute, ZeRO, sequence-parallel and parameter-gather overlap settings.
 
 The measured time per iteration is the published one, or the published TFLOP/s per GPU turned
 into seconds by the source's own FLOP count (``data/README.md``). The run is then priced by the
@@ -235,9 +235,16 @@ def price(run: PublishedRun, model=None) -> dict:
         sequence_parallel=bool(p.get("sequence_parallel")),
         selective_recompute=p["recompute"] == "selective",
         overlap_param_gather=bool(p.get("overlap_param_gather")),
+        virtual_stages=p.get("virtual_stages") or 1,
     )
     ev = priced.evaluation
-    return {"priced_s": ev.iteration_s, "fits": ev.feasible, "microbatches": M, "breakdown": dict(ev.breakdown)}
+    return {
+        "priced_s": ev.iteration_s,
+        "fits": ev.feasible,
+        "microbatches": M,
+        "virtual_stages": p.get("virtual_stages") or 1,
+        "breakdown": dict(ev.breakdown),
+    }
 
 
 def fitting_runs(runs: list[PublishedRun]) -> list[PublishedRun]:
@@ -283,7 +290,8 @@ def bench_published(*, plan: bool = True, time_limit_s: float = 60.0, progress=N
             "id": run.id,
             "gpus": run.cluster["gpus"],
             "gpu": run.cluster["gpu"],
-            "published": "TP{tp} PP{pp} DP{dp}".format(**run.parallel),
+            "published": "TP{tp} PP{pp} DP{dp}".format(**run.parallel)
+            + (f" v{run.parallel['virtual_stages']}" if (run.parallel.get("virtual_stages") or 1) > 1 else ""),
             "measured_s": run.measured_s(),
             "role": "fitted" if run.id in fitted else "held_out",
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.costs import CostModel
+from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._space import search_space
 from orchestrator.planner.baselines._sweep import BaselinePlan, Sweep
@@ -23,11 +24,13 @@ def fixed(
     selective_recompute: bool = False,
     overlap_param_gather: bool = False,
     schedule: str = "1f1b",
+    virtual_stages: int = 1,
 ) -> BaselinePlan:
     """``stages`` (layer indices per pipeline stage), each on ``tp · dp`` devices of ``device_type``,
     at ``microbatches`` microbatches, priced by the planner's closed form. ``zero``,
     ``sequence_parallel``, ``selective_recompute`` and ``overlap_param_gather`` are the pricing
-    options of :class:`~orchestrator.costs.ParallelConfig`, applied to every stage.
+    options of :class:`~orchestrator.costs.ParallelConfig`, applied to every stage;
+    ``virtual_stages``: interleaved 1F1B chunks per stage (1: plain ``schedule``).
 
     The evaluation says whether it fits (``evaluation.feasible``); its time is priced either way.
     """
@@ -48,4 +51,10 @@ def fixed(
     )
     sweep = Sweep(model, global_batch=global_batch, schedule=schedule, space=space)
     groups = [group] * len(stages)
-    return BaselinePlan("fixed", stages, groups, microbatches, sweep.evaluate(stages, groups, microbatches))
+    if virtual_stages == 1:
+        return BaselinePlan("fixed", stages, groups, microbatches, sweep.evaluate(stages, groups, microbatches))
+    ev = evaluate(
+        stages, groups, microbatches, table=space.table, infos=space.infos, schedule=schedule, links=space.links,
+        virtual_stages=virtual_stages,
+    )  # fmt: skip
+    return BaselinePlan("fixed", stages, groups, microbatches, ev)

@@ -87,3 +87,26 @@ def test_the_planners_space_contains_the_published_configuration(run_id):
     assert covered.contains(microbatches=M, stages=[stage] * p["pp"])
     assert not covered.contains(microbatches=M, stages=[stage] * (max_stages + 1))
     assert not dataclasses.replace(covered, microbatches=(1, 2, 4)).contains(microbatches=M, stages=[stage])
+
+
+def test_a_run_is_priced_with_its_virtual_stages():
+    """Korthikanti et al.'s 175B layout (PP 8, 3 virtual stages, M 64) on its cluster, a narrow GPT
+    of 16 blocks standing in for the model: interleaving shrinks the bubble of plain 1F1B."""
+    import dataclasses
+
+    from integrations.flax import capture
+    from orchestrator.coarsen import coarsen
+    from orchestrator.costs import CostModel
+    from recipes import GPTConfig, Recipe
+
+    run = next(r for r in load_runs() if r.id == "korthikanti-175b")
+    assert run.parallel["virtual_stages"] == 3
+    config = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=16, num_heads=2, d_model=16)
+    recipe = Recipe(name="narrow", config=config, batch_size=1, seq_len=16)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, 16))
+    model = CostModel(graph, coarsen(graph), run_cluster(run), batch_size=1, param_axes=recipe.param_axes())
+    interleaved = price(run, model)
+    plain = price(dataclasses.replace(run, parallel={**run.parallel, "virtual_stages": 1}), model)
+    assert interleaved["virtual_stages"] == 3 and plain["virtual_stages"] == 1
+    assert interleaved["priced_s"] < plain["priced_s"]
+    assert interleaved["breakdown"]["steady_s"] < plain["breakdown"]["steady_s"]
