@@ -277,7 +277,7 @@ class GPT(nn.Module):
                 embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.01), (None, "embed")),
                 name="wpe",
             )
-            x = x + wpe(self.positions(seq))[None]
+            x = x + wpe(jnp.arange(seq))[None]
         block = nn.remat(Block) if cfg.remat else Block
         for i in range(cfg.num_layers):
             x = block(cfg, name=f"blocks_{i}")(x)
@@ -285,8 +285,3 @@ class GPT(nn.Module):
         if cfg.llama:
             return _dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", cfg.dtype, use_bias=False)(x)
         return wte.attend(x)
-
-    def positions(self, seq: int):
-        """The position of each token of the sequence, (seq,): 0 … seq − 1. A method of its own, so an
-        executor that stores the sequence in another order reads that order's positions instead."""
-        return jnp.arange(seq)

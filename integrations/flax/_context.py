@@ -6,15 +6,17 @@ the mesh axis ``"context"``, whose device order is the ring order; the batch is 
 ``"data"`` as usual and the state is replicated over both. Everything that works token by token —
 embeddings, norms, MLPs, the residual stream, the loss (a mean over tokens, which no permutation
 changes) — runs on the permuted sequence unchanged, XLA's SPMD partitioner splitting it along the
-sequence. Two things read the order, and a model names them as methods of its modules:
+sequence. Two things read the order, and both are intercepted (``flax.linen.intercept_methods``)
+while the step is traced:
 
-    positions(seq)            the position of each token, (seq,)                     → layout_positions
-    core_attention(q, k, v)   causal softmax(QKᵀ/√d) V over (batch, seq, heads, d)   → ring attention
-
-(``recipes.gpt.GPT`` does). Both are intercepted (``flax.linen.intercept_methods``) while the
-step is traced: positions come from the layout, and attention runs as ring or all-gather attention
-(``conductor.kernels.ring``) under ``jax.shard_map`` over the two axes, K/V blocks passed around
-the ring while each block computes. The form (ring or all-gather) is the cost model's choice
+    positions        an ``nn.Embed`` looked up at a vector of indices, one per place of the sequence
+                     and shared by the batch (learned positions, ``wpe(arange(T))``), is looked up at
+                     that vector in layout order instead (``layout_positions``);
+    core attention   a module method ``core_attention(q, k, v)``, causal softmax(QKᵀ/√d) V over
+                     (batch, seq, heads, head_dim) arrays (``recipes.gpt.CausalSelfAttention`` has
+                     one), runs as ring or all-gather attention (``conductor.kernels.ring``) under
+                     ``jax.shard_map`` over the two axes, K/V blocks passed around the ring while
+                     each block computes. The form (ring or all-gather) is the cost model's choice
 (``orchestrator.costs.context_parallel_cost``), passed in as ``form``.
 
 Example:
@@ -39,7 +41,7 @@ from conductor.kernels.ring import Form, Layout, layout_positions, ring_attentio
 from orchestrator.cluster import ring_order
 
 DATA, CONTEXT = "data", "context"
-POSITIONS, CORE_ATTENTION = "positions", "core_attention"
+CORE_ATTENTION = "core_attention"
 
 
 def context_mesh(devices: Sequence, *, context_parallel: int) -> Mesh:
@@ -103,8 +105,8 @@ def context_parallel_step(
     """``train_step`` jitted to run on sequences split over ``mesh``'s ``"context"`` axis.
 
     Args:
-      train_step: ``train_step(state, batch) -> (state, metrics)`` of a Flax model whose modules
-        name ``positions`` and ``core_attention`` (module docstring).
+      train_step: ``train_step(state, batch) -> (state, metrics)`` of a Flax model whose attention
+        modules name their ``core_attention`` (module docstring).
       mesh: a :func:`context_mesh`.
       form: ``"ring"`` or ``"all_gather"`` attention.
       layout: how each sequence is stored; the batch must be in it (:func:`context_batch`).
@@ -117,9 +119,9 @@ def context_parallel_step(
     n = mesh.shape[CONTEXT]
 
     def interceptor(next_fun, args, kwargs, context):
-        if context.method_name == POSITIONS:
-            (seq,) = args
-            return jnp.asarray(layout_positions(seq, n, layout))
+        if isinstance(context.module, nn.Embed) and context.method_name == "__call__" and jnp.ndim(args[0]) == 1:
+            (indices,) = args  # (seq,): one per place of the sequence, the batch's tokens being (batch, seq)
+            return next_fun(jnp.take(indices, layout_positions(indices.shape[0], n, layout)), **kwargs)
         if context.method_name == CORE_ATTENTION:
             q, k, v = args
             return ring_attention(
