@@ -109,7 +109,7 @@ def search_space(
     if (length := attention_length()) is not None:
         needed = table.needs_context_parallel(groups)
         groups += context_parallel_configs(
-            infos, seq_len=length, device_types=needed, global_batch=global_batch, **settings
+            infos, seq_len=length, device_types=needed, global_batch=global_batch, recompute=recompute
         )
     return SearchSpace(
         infos=infos,
