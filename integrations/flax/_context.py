@@ -143,3 +143,35 @@ def context_parallel_step(
             return train_step(state, batch)
 
     return jax.jit(step, donate_argnums=(0,))
+
+
+class ContextParallelStep:
+    """``step(state, batch) -> (state, metrics)`` for a plan whose one stage splits sequences (``cp`` > 1).
+
+    Takes batches in natural order (it permutes them into the layout) and a state placed by
+    :meth:`place` (replicated over the stage's devices).
+
+    Args:
+      plan: a one-stage plan with ``cp`` > 1 and ``tp`` = 1.
+      train_step: as for :func:`context_parallel_step`.
+      cluster: the cluster the plan was made for (device refs, ring order); None: the local devices.
+      form: ``"ring"`` or ``"all_gather"`` (the cost model's choice, ``orchestrator.costs.context_parallel_cost``).
+    Raises:
+      ValueError: a plan of several stages, or a stage without context parallelism or with TP.
+    """
+
+    def __init__(self, plan, train_step: Callable, *, cluster=None, form: Form = "ring"):
+        from integrations.flax._shard import device_map
+
+        if len(plan.stages) != 1 or plan.stages[0].cp < 2:
+            raise ValueError("the context-parallel step runs a plan of one stage with cp > 1")
+        self.plan = plan
+        self.mesh = stage_context_mesh(plan.stages[0], device_map(cluster), cluster)
+        self.fn = context_parallel_step(train_step, self.mesh, form=form)
+
+    def place(self, state):
+        """``state`` replicated over the stage's devices (a copy: the step donates it)."""
+        return replicate(state, self.mesh)
+
+    def __call__(self, state, batch):
+        return self.fn(state, context_batch(batch, self.mesh))

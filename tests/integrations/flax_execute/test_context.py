@@ -9,13 +9,7 @@ import numpy as np
 import pytest
 
 from integrations.flax import capture
-from integrations.flax._context import (
-    context_batch,
-    context_parallel_step,
-    replicate,
-    stage_context_mesh,
-)
-from integrations.flax._shard import device_map
+from integrations.flax._context import ContextParallelStep, context_batch
 from orchestrator.cluster import load_cluster
 from orchestrator.coarsen import coarsen
 from orchestrator.costs import CostModel, ParallelConfig
@@ -55,9 +49,8 @@ def test_a_sequence_whose_attention_does_not_fit_one_device_is_split(planned):
 def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
     _, found = planned
     [stage] = found.stages
-    cluster = load_cluster(CLUSTER)
-    mesh = stage_context_mesh(stage, device_map(cluster), cluster)
-    assert dict(mesh.shape) == {"data": stage.dp, "context": stage.cp}
+    step = ContextParallelStep(found, RECIPE.train_step, cluster=load_cluster(CLUSTER))
+    assert dict(step.mesh.shape) == {"data": stage.dp, "context": stage.cp}
     batches = [RECIPE.batch_for_step(0, step) for step in range(STEPS)]
 
     reference, state = [], RECIPE.initial_state(0)
@@ -66,11 +59,11 @@ def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
         state, metrics = one_device(state, batch)
         reference.append(float(metrics["loss"]))
 
-    state = replicate(RECIPE.initial_state(0), mesh)
-    compiled = context_parallel_step(RECIPE.train_step, mesh).lower(state, context_batch(batches[0], mesh)).compile()
-    assert "collective-permute" in compiled.as_text()  # K/V blocks travel around the ring
+    state = step.place(RECIPE.initial_state(0))
+    lowered = step.fn.lower(state, context_batch(batches[0], step.mesh)).as_text()
+    assert "collective_permute" in lowered  # K/V blocks travel around the ring
     losses = []
     for batch in batches:
-        state, metrics = compiled(state, context_batch(batch, mesh))
+        state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
