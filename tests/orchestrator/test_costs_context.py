@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conductor.kernels import AttentionBlockSizes
-from conductor.kernels.ring import ring_attention
+from conductor.kernels.ring import attention_flops_per_device, ring_attention
 from integrations.flax import capture
 from orchestrator.cluster import Link, load_cluster
 from orchestrator.coarsen import coarsen
@@ -142,3 +142,22 @@ def test_priced_ring_bytes_are_the_compiled_kernels_permutes(tiny):
         if match:
             sent += 4 * int(np.prod([int(d) for d in match.group(1).split(",") if d]))
     assert sent == pytest.approx(priced, rel=0.01)
+
+
+def test_priced_attention_work_per_device_is_the_ring_kernels_unmasked_tiles(tiny):
+    """Each device is priced 1/n of the captured attention's matmul FLOPs: exactly the tiles the ring
+    kernels run without a mask, on every device. Under a causal mask the kernels skip the tiles above
+    the diagonal (about half), which the model, reading the plain attention's full square, does not credit."""
+    _, model = tiny
+    n, graph = 4, model.graph
+    core = model.attention_core(BLOCK)
+    matmuls = core.starts | core.ends
+    per_device = sum(graph.op(name).flops for name in matmuls) / n  # the whole batch of 8 at T = 64
+    kernel = attention_flops_per_device(
+        64, n, layout="zigzag", causal=False, batch=8, heads=4, head_dim=16, block_q=16, block_k=16
+    )
+    assert per_device == pytest.approx(kernel[0]) and len(set(kernel.tolist())) == 1
+    causal = attention_flops_per_device(
+        64, n, layout="zigzag", causal=True, batch=8, heads=4, head_dim=16, block_q=16, block_k=16
+    )
+    assert len(set(causal.tolist())) == 1 and 0.5 < causal[0] / kernel[0] < 0.7  # balanced, about half
