@@ -15,8 +15,12 @@ which is Megatron's column/row split for the recipes' kernels; it is
 leaves whose key path ends with a parameter's key path and have its shape
 (AdamW's ``mu``, ``nu``) follow that parameter; with ``zero=True`` they are
 additionally split over ``"data"`` on their first free dimension that dp
-divides (ZeRO-1). Every other leaf (step counters) is replicated on the first
-stage's mesh. A batch is split over ``"data"`` on its first dimension.
+divides (ZeRO-1). On a stage whose plan says ``fsdp`` (ZeRO-3) the parameters are
+split the same way too: each is stored 1/dp per replica, and XLA's partitioner all-gathers it
+where a matmul reads it and reduce-scatters its gradient (on XLA:CPU an all-reduce of the
+gradient sliced to the replica's shard, the same operand bytes). Every other leaf (step
+counters) is replicated on the first stage's mesh. A batch is split over ``"data"`` on its
+first dimension.
 """
 
 from __future__ import annotations
@@ -193,7 +197,7 @@ def state_shardings(
         s = owner_of(name)
         stage = plan.stages[s]
         spec = param_spec(shape, param_axes.get(name), stage.tp, axis_rules)
-        if moment and (zero or stage.zero) and stage.dp > 1:
+        if (stage.fsdp or (moment and (zero or stage.zero))) and stage.dp > 1:
             spec = _zero_spec(spec, shape, stage.dp)
         return NamedSharding(meshes[s], spec)
 

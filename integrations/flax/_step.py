@@ -7,6 +7,11 @@ all-reduces and the data-parallel gradient all-reduce. The plan's microbatch
 count is not used for a single stage: the whole batch is one program
 (gradient accumulation would only change the summation order).
 
+A stage that says ``fsdp`` keeps its parameters split over ``"data"`` too
+(:mod:`integrations.flax._shard`); one that says ``sequence_parallel`` or
+``selective_recompute`` runs the step rewritten per batch shape
+(:mod:`integrations.flax._options`), with the same shardings.
+
 A multi-stage plan runs as an MPMD pipeline (:mod:`integrations.flax._pipeline`).
 """
 
@@ -29,10 +34,29 @@ class StepFunction:
       meshes: one mesh per stage.
     """
 
-    def __init__(self, plan, fn: Callable, meshes, state_shardings):
+    def __init__(self, plan, fn: Callable, meshes, state_shardings, *, state=None, param_axes=None, axis_rules=None):
         self.plan, self.fn, self.meshes = plan, fn, meshes
         self.state_shardings = state_shardings
+        self.param_axes, self.axis_rules = param_axes, axis_rules
+        self.abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         self._jitted = {}
+
+    def _program(self, batch) -> Callable:
+        """The step as run for batches shaped like ``batch``: rewritten where the stage's options ask."""
+        [stage] = self.plan.stages
+        if not (stage.sequence_parallel and stage.tp > 1) and not (stage.selective_recompute and not stage.recompute):
+            return self.fn
+        from integrations.flax._options import rewrite_step
+
+        return rewrite_step(
+            self.fn,
+            self.abstract_state,
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype), batch),
+            stage=stage,
+            mesh=self.meshes[0],
+            param_axes=self.param_axes,
+            axis_rules=self.axis_rules,
+        )
 
     def jitted(self, batch):
         """The ``jax.jit`` of the step for batches shaped like ``batch``."""
@@ -40,7 +64,7 @@ class StepFunction:
         key = str(jax.tree.map(lambda leaf, s: (tuple(leaf.shape), str(leaf.dtype), s.spec), batch, shardings))
         if key not in self._jitted:
             self._jitted[key] = jax.jit(
-                self.fn,
+                self._program(batch),
                 in_shardings=(self.state_shardings, shardings),
                 out_shardings=(self.state_shardings, NamedSharding(self.meshes[0], P())),
                 donate_argnums=(0,),
@@ -90,6 +114,14 @@ def compile_step(
             f"stage {mixed[0]} of the plan spans two device types with uneven batch shares, which one SPMD "
             "program cannot run: plan with mixed_stages=False to execute it"
         )
+    optioned = [
+        s for s, stage in enumerate(plan.stages) if stage.fsdp or stage.sequence_parallel or stage.selective_recompute
+    ]
+    if len(plan.stages) > 1 and optioned:
+        raise ValueError(
+            f"stage {optioned[0]} of the {len(plan.stages)}-stage plan asks for FSDP, sequence parallelism or "
+            "selective recompute, which the pipeline executor does not run: plan one stage or without them"
+        )
     if len(plan.stages) > 1:
         from integrations.flax._pipeline import Pipeline
 
@@ -108,4 +140,4 @@ def compile_step(
     [stage] = plan.stages
     mesh = stage_mesh(stage, device_map(cluster))
     shardings = state_shardings(plan, state, param_axes=param_axes, cluster=cluster, zero=zero, axis_rules=axis_rules)
-    return StepFunction(plan, train_step, [mesh], shardings)
+    return StepFunction(plan, train_step, [mesh], shardings, state=state, param_axes=param_axes, axis_rules=axis_rules)

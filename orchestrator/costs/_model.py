@@ -386,17 +386,19 @@ class CostModel:
     def _local_fraction(self, path: str, tp: int) -> float:
         return 1 / tp if self.traits_for(tp).param_roles[path] in ("column", "row") else 1.0
 
-    def _gathered_param_bytes(self, index: int, tp: int) -> float:
+    def _gathered_param_bytes(self, index: int, tp: int, *, reads: bool = False) -> float:
         """Per-device bytes of layer ``index``'s parameters a ZeRO all-gather moves: as stored, or
-        with ``weights_once`` in the dtype the forward casts them to."""
+        with ``weights_once`` in the dtype the forward casts them to. ``reads``: every parameter
+        the layer reads (FSDP gathers each where it is used: a tied table once per reading layer)."""
+        paths = self.gradient_contributions(index) if reads else self.layers[index].params
         if not self.weights_once:
-            return self.local_param_bytes(index, tp)
+            return self._local_bytes(paths, tp)
         itemsize = self._memo(self._graph_memo, "compute_itemsize", self._compute_itemsizes)
         return sum(
             self.graph.params[path].size
             * itemsize.get(path, dtype_itemsize(self.graph.params[path].dtype))
             * self._local_fraction(path, tp)
-            for path in self.layers[index].params
+            for path in paths
         )
 
     def _compute_itemsizes(self) -> dict[str, int]:
@@ -560,12 +562,15 @@ class CostModel:
             cp_bwd += cp_fwd
         params = self.local_param_bytes(index, t)
         # ZeRO and reduce-scatter sync full-size gradients, as accumulation does
-        whole = config.accumulate_gradients or zero or config.dp_sync != "all_reduce"
+        # (FSDP's one program reduce-scatters the backward's own gradients: a table's rows read)
+        whole = config.accumulate_gradients or config.zero or config.dp_sync != "all_reduce"
         gradients = self.dp_sync_bytes(index, t, accumulate_gradients=whole)
+        gathered = 0.0
         if config.dp_sync == "all_reduce" and not zero:
             dp_sync = coll.all_reduce_s(gradients, replicas, dp_link)
         else:
-            gather = coll.all_gather_s(self._gathered_param_bytes(index, t), replicas, dp_link)
+            gathered = self._gathered_param_bytes(index, t, reads=config.fsdp)
+            gather = coll.all_gather_s(gathered, replicas, dp_link)
             if config.overlap_param_gather:
                 gather = max(0.0, gather - forward)
             dp_sync = coll.reduce_scatter_s(gradients, replicas, dp_link) + gather
@@ -600,6 +605,7 @@ class CostModel:
             breakdown={
                 "tp_forward_bytes": tp_fwd,
                 "tp_backward_bytes": tp_bwd,
+                "dp_gather_bytes": gathered if replicas > 1 else 0.0,
                 "weights_once_s": weights,
                 "cp_forward_s": cp_fwd,
                 "cp_backward_s": cp_bwd,
