@@ -145,6 +145,14 @@ def context_parallel_step(
     return jax.jit(step, donate_argnums=(0,))
 
 
+def place_state(plan, state, *, cluster=None):
+    """``state`` as ``integrations.flax.shard`` places it for a one-stage context-parallel plan:
+    replicated over the stage's devices (a copy: the step donates it)."""
+    from integrations.flax._shard import device_map
+
+    return replicate(state, stage_context_mesh(plan.stages[0], device_map(cluster), cluster))
+
+
 class ContextParallelStep:
     """``step(state, batch) -> (state, metrics)`` for a plan whose one stage splits sequences (``cp`` > 1).
 

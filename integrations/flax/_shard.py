@@ -250,6 +250,10 @@ def shard(
     Example:
       >>> sharded = shard(plan, state, param_axes=recipe.param_axes())  # doctest: +SKIP
     """
+    if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: replicated over the stage (_context)
+        from integrations.flax._context import place_state
+
+        return place_state(plan, state, cluster=cluster)
     owners = param_owners(plan, layers) if layers is not None else None
     shardings = state_shardings(
         plan, state, param_axes=param_axes, owners=owners, cluster=cluster, zero=zero, axis_rules=axis_rules

@@ -122,6 +122,10 @@ def compile_step(
             f"stage {optioned[0]} of the {len(plan.stages)}-stage plan asks for FSDP, sequence parallelism or "
             "selective recompute, which the pipeline executor does not run: plan one stage or without them"
         )
+    if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: ring attention (_context)
+        from integrations.flax._context import ContextParallelStep
+
+        return ContextParallelStep(plan, train_step, cluster=cluster)
     if len(plan.stages) > 1:
         from integrations.flax._pipeline import Pipeline
 

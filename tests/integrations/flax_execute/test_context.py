@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from integrations.flax import capture
-from integrations.flax._context import ContextParallelStep, context_batch
+from integrations.flax import capture, compile_step, shard
+from integrations.flax._context import context_batch
 from orchestrator.cluster import load_cluster
 from orchestrator.coarsen import coarsen
 from orchestrator.costs import CostModel, ParallelConfig
@@ -49,23 +49,24 @@ def test_a_sequence_whose_attention_does_not_fit_one_device_is_split(planned):
 def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
     model, found = planned
     [stage] = found.stages
-    # ring or all-gather: the cost model's choice for the stage's attention, passed to the executor
+    # the cost model's choice for the stage's attention is the ring, the form compile_step runs
     block = next(i for i in stage.layers if model.attention_core(i).starts)
     config = ParallelConfig(microbatch_size=stage.microbatch_size, dp=stage.dp, context_parallel=stage.cp)
-    form = model.layer_cost(block, stage.device_type, config).cp_form
-    step = ContextParallelStep(found, RECIPE.train_step, cluster=load_cluster(CLUSTER), form=form)
+    assert model.layer_cost(block, stage.device_type, config).cp_form == "ring"
+    cluster = load_cluster(CLUSTER)
+    state = shard(found, RECIPE.initial_state(0), cluster=cluster)
+    step = compile_step(found, RECIPE.train_step, state, cluster=cluster)
     assert dict(step.mesh.shape) == {"data": stage.dp, "context": stage.cp}
-    batches = [RECIPE.batch_for_step(0, step) for step in range(STEPS)]
+    batches = [RECIPE.batch_for_step(0, i) for i in range(STEPS)]
 
-    reference, state = [], RECIPE.initial_state(0)
+    reference, alone = [], RECIPE.initial_state(0)
     one_device = jax.jit(RECIPE.train_step)
     for batch in batches:
-        state, metrics = one_device(state, batch)
+        alone, metrics = one_device(alone, batch)
         reference.append(float(metrics["loss"]))
 
-    state = step.place(RECIPE.initial_state(0))
     lowered = step.fn.lower(state, context_batch(batches[0], step.mesh)).as_text()
-    assert form == "ring" and "collective_permute" in lowered  # K/V blocks travel around the ring
+    assert "collective_permute" in lowered  # K/V blocks travel around the ring
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)
