@@ -217,32 +217,30 @@ class CostTable:
     def needs_context_parallel(self, groups: list[GroupConfig]) -> set[str]:
         """The device types on which some layer fits no device of any of ``groups`` (one type, no
         context parallelism) at one sample per microbatch: where only splitting the sequence can
-        help. Priced once per kind of layer, type, tp and recompute, straight from the cost model:
-        these prices are no entries of the table."""
+        help. Priced per kind of layer and type until a (tp, recompute) fits, straight from the cost
+        model: these prices are no entries of the table."""
         options: dict[str, set[tuple[int, bool]]] = {}
         for group in groups:
             if not group.mixed and group.cp == 1:
                 options.setdefault(group.device_type, set()).add((group.tp, group.recompute))
         needed = set()
         for kind, choices in options.items():
-            info = self.infos[kind]
+            # the likeliest fit first (the most tensor parallelism, recomputing): most layers stop there
+            order = sorted(choices, key=lambda choice: (-choice[0], not choice[1]))
             for layer in sorted(set(self._representative)):
-                if self.deadline is not None:
-                    self.deadline.check()
-                least = min(
-                    self.model.layer_cost(
-                        layer,
-                        kind,
-                        ParallelConfig(tp=tp, microbatch_size=1, recompute=recompute),
-                        tp_link=info.intra_link,
-                        dp_link=info.intra_link,
-                    ).memory_bytes()
-                    for tp, recompute in sorted(choices)
-                )
-                if least > info.memory_bytes:
+                if not any(self._fits_alone(layer, kind, tp, recompute) for tp, recompute in order):
                     needed.add(kind)
                     break
         return needed
+
+    def _fits_alone(self, layer: int, kind: str, tp: int, recompute: bool) -> bool:
+        """Whether ``layer`` fits one ``kind`` device at one sample per microbatch under ``tp`` and ``recompute``."""
+        if self.deadline is not None:
+            self.deadline.check()
+        info = self.infos[kind]
+        config = ParallelConfig(tp=tp, microbatch_size=1, recompute=recompute)
+        cost = self.model.layer_cost(layer, kind, config, tp_link=info.intra_link, dp_link=info.intra_link)
+        return cost.memory_bytes() <= info.memory_bytes
 
     def state_bytes(self, layer: int, device_type: str) -> float:
         """Parameters and optimizer state of ``layer``, unsharded: what moving it moves."""
