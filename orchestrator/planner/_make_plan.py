@@ -4,8 +4,8 @@ Virtual stages (interleaved 1F1B) are chosen here, after the search: the ILP pri
 schedules, and its bound covers plans with v = 1 only (``Coverage.virtual_stages``). A solution
 whose stages each hold a multiple of v repeated layers (the blocks of a run of identical layers;
 the embedding and the head ride in the first and last chunks, as Megatron-LM places them) is
-priced at every such v > 1 with M a multiple of its stage count, and the fastest that fits is
-kept. The plan is then no slower than the plain one; its gap still compares it with the bound of
+priced at such v > 1 with M a multiple of its stage count (in increasing order, until one is
+slower than the best so far), and the fastest that fits is kept. The plan is then no slower than the plain one; its gap still compares it with the bound of
 the space searched, which it may lie outside (docs/planner.md, "Virtual stages").
 """
 
@@ -121,7 +121,8 @@ def best_virtual_stages(
     space: SearchSpace, stages: list[list[int]], chosen: list[GroupConfig], M: int, schedule: str, ev: Evaluation
 ) -> tuple[int, Evaluation]:
     """(v, its evaluation): the fastest fitting plan of these stages over v = 1 (``ev``) and
-    :func:`virtual_stage_counts` under 1F1B."""
+    :func:`virtual_stage_counts` under 1F1B, tried in increasing order until one that fits is slower
+    than the best so far (each chunk more shrinks the bubble less and adds as many transfers)."""
     best_v, best = 1, ev
     if schedule != "1f1b" or not ev.feasible:
         return best_v, best
@@ -130,7 +131,9 @@ def best_virtual_stages(
             stages, chosen, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links,
             virtual_stages=v,
         )  # fmt: skip
-        if priced.feasible and priced.iteration_s < best.iteration_s:
+        if priced.feasible and priced.iteration_s >= best.iteration_s:
+            break
+        if priced.feasible:
             best_v, best = v, priced
     return best_v, best
 
