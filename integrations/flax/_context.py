@@ -163,18 +163,20 @@ class ContextParallelStep:
       plan: a one-stage plan with ``cp`` > 1 and ``tp`` = 1.
       train_step: as for :func:`context_parallel_step`.
       cluster: the cluster the plan was made for (device refs, ring order); None: the local devices.
-      form: ``"ring"`` or ``"all_gather"`` (the cost model's choice, ``orchestrator.costs.context_parallel_cost``).
+      form: ``"ring"`` or ``"all_gather"``; None: the plan's (``Stage.cp_form``, the cost model's
+        choice), else the ring.
     Raises:
       ValueError: a plan of several stages, or a stage without context parallelism or with TP.
     """
 
-    def __init__(self, plan, train_step: Callable, *, cluster=None, form: Form = "ring"):
+    def __init__(self, plan, train_step: Callable, *, cluster=None, form: Form | None = None):
         from integrations.flax._shard import device_map
 
         if len(plan.stages) != 1 or plan.stages[0].cp < 2:
             raise ValueError("the context-parallel step runs a plan of one stage with cp > 1")
         self.plan = plan
         self.mesh = stage_context_mesh(plan.stages[0], device_map(cluster), cluster)
+        form = form or plan.stages[0].cp_form or "ring"
         self.fn = context_parallel_step(train_step, self.mesh, form=form)
 
     def place(self, state):

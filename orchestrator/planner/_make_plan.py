@@ -70,6 +70,9 @@ def make_plan(
             tp=g.tp,
             dp=g.dp,
             cp=g.cp,
+            cp_form=next(filter(None, (space.table.entry(i, g, M).cp_form for i in layers)), None)
+            if g.cp > 1
+            else None,
             recompute=g.recompute,
             zero=space.table.zero and g.dp > 1,
             microbatch_size=space.table.microbatch(g, M),

@@ -35,6 +35,8 @@ class Stage:
       tp, dp: tensor- and data-parallel degrees.
       cp: context-parallel degree: each replica splits its sequences over cp·tp devices,
         ``devices[r·tp·cp:(r+1)·tp·cp]``, the tensor-parallel groups of its ring positions in ring order.
+      cp_form: under cp > 1, how its attention runs, ``"ring"`` or ``"all_gather"``: the form the
+        cost model priced (``orchestrator.costs.context_parallel_cost``); None without attention or cp.
       recompute: whether it recomputes its forward pass in the backward pass.
       zero: whether its optimizer state is sharded over its data-parallel replicas (ZeRO-1).
       fsdp: whether its parameters, gradients and optimizer state are all sharded over its
@@ -77,6 +79,7 @@ class Stage:
     optimizer_s: float = 0.0
     zero: bool = False
     cp: int = 1
+    cp_form: str | None = None
     fsdp: bool = False
     sequence_parallel: bool = False
     selective_recompute: bool = False
@@ -317,6 +320,8 @@ def _checked(plan: Plan) -> Plan:
             _amount(getattr(stage, name), f"{where}.{name}")
         if not stage.layers or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in stage.layers):
             raise ValueError(f"{where}.layers must be a non-empty list of layer indices, got {list(stage.layers)!r}")
+        if stage.cp_form not in (None, "ring", "all_gather"):
+            raise ValueError(f"{where}.cp_form must be ring, all_gather or null, got {stage.cp_form!r}")
         size = stage.tp * stage.cp * stage.dp
         if not all(isinstance(ref, str) for ref in stage.devices) or len(stage.devices) != size:
             raise ValueError(f"{where}.devices must be tp·cp·dp = {size} device refs, got {len(stage.devices)}")

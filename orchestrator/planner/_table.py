@@ -30,6 +30,7 @@ class Entry:
     # a mixed group's entry: one entry per part (its own memory, on its own type); the group's
     # memory fields are then NaN, so a reader that forgets the parts fails instead of using one
     parts: tuple[Entry, ...] = ()
+    cp_form: str | None = None  # under context parallelism, an attention layer's ring or all-gather
 
 
 class CostTable:
@@ -211,6 +212,7 @@ class CostTable:
             transient_bytes=cost.transient_bytes,
             dp_sync_s=cost.dp_sync_s,
             optimizer_s=cost.optimizer_s,
+            cp_form=cost.cp_form,
         )
         return self._entries[key]
 

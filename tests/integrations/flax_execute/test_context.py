@@ -49,10 +49,10 @@ def test_a_sequence_whose_attention_does_not_fit_one_device_is_split(planned):
 def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
     model, found = planned
     [stage] = found.stages
-    # the cost model's choice for the stage's attention is the ring, the form compile_step runs
+    # the plan records the cost model's ring-or-gather choice, and compile_step runs it
     block = next(i for i in stage.layers if model.attention_core(i).starts)
     config = ParallelConfig(microbatch_size=stage.microbatch_size, dp=stage.dp, context_parallel=stage.cp)
-    assert model.layer_cost(block, stage.device_type, config).cp_form == "ring"
+    assert stage.cp_form == model.layer_cost(block, stage.device_type, config).cp_form == "ring"
     cluster = load_cluster(CLUSTER)
     state = shard(found, RECIPE.initial_state(0), cluster=cluster)
     step = compile_step(found, RECIPE.train_step, state, cluster=cluster)

@@ -51,3 +51,30 @@ def test_the_table_prices_the_ring_into_the_stage_time(tiny):
     assert b.forward_s == pytest.approx(a.forward_s + cost.breakdown["cp_forward_s"])
     assert b.activation_bytes == pytest.approx(a.activation_bytes)
     assert b.transient_bytes > a.transient_bytes  # the K/V blocks in flight
+
+
+def test_a_plan_names_a_known_attention_form():
+    from orchestrator.planner import Plan, Stage
+
+    stage = Stage(
+        layers=(0,),
+        device_type="a100",
+        devices=("h/0", "h/1"),
+        tp=1,
+        dp=1,
+        cp=2,
+        cp_form="ring",
+        recompute=False,
+        microbatch_size=1,
+        time_s=1.0,
+        memory_bytes=1.0,
+    )
+    plan = Plan(stages=(stage,), schedule="1f1b", microbatches=1, global_batch=1, iteration_s=1.0)
+    assert Plan.from_json(plan.to_json()) == plan
+    data = plan.to_json()
+    data["stages"][0]["cp_form"] = "spiral"
+    with pytest.raises(ValueError, match="cp_form must be ring, all_gather or null"):
+        Plan.from_json(data)
+    data["stages"][0].update(cp_form="ring", cp=4)
+    with pytest.raises(ValueError, match="tp·cp·dp = 4 device refs, got 2"):
+        Plan.from_json(data)
