@@ -121,6 +121,10 @@ class _Cores:
                     self.anchor = v
 
 
+def _floating(atom) -> bool:
+    return not isinstance(atom, jcore.Literal) and jax.numpy.issubdtype(atom.aval.dtype, jax.numpy.floating)
+
+
 def _sequence_parallel(sliced, model, state, batch, stage, mesh) -> tuple[dict, dict]:
     """(var → its sequence-split sharding, equation → operands it reads whole over "model")."""
     from integrations.flax._capture import is_param_path, param_path_name
@@ -135,14 +139,14 @@ def _sequence_parallel(sliced, model, state, batch, stage, mesh) -> tuple[dict, 
         if is_param_path(path) and traits.param_roles.get(param_path_name(path)) in ("column", "row"):
             split_params.add(var)
 
-    def sequence_split(atom, rank: int = 3) -> bool:
+    def sequence_split(atom, rank: int = 3, floating: bool = True) -> bool:
         """A float (batch, sequence, ...) value of at least ``rank`` dims of an op SP splits."""
         shape = getattr(atom.aval, "shape", ())
         return (
             not isinstance(atom, jcore.Literal)
             and producer.get(atom) in split
             and len(shape) >= rank
-            and jax.numpy.issubdtype(atom.aval.dtype, jax.numpy.floating)
+            and jax.numpy.issubdtype(atom.aval.dtype, jax.numpy.floating) == floating
             and shape[0] == rows
             and rows % stage.dp == 0
             and shape[1] == seq_len
@@ -164,8 +168,13 @@ def _sequence_parallel(sliced, model, state, batch, stage, mesh) -> tuple[dict, 
         for v in item.eqn.outvars:
             if set(names) & traits.allreduce_ops and sequence_split(v, rank=2):
                 constrained[v] = reduced
-            elif sequence_split(v):
+            elif sequence_split(v) and any(_floating(a) for a in item.eqn.invars):
+                # (a one-hot built from labels is left to the partitioner: the vocabulary-split
+                # logits read it, which would gather it right back)
                 constrained[v] = sharding
+            elif sequence_split(v, rank=2, floating=False) and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.integer):
+                # token ids and labels stay whole
+                constrained[v] = reduced
     # inside a region the sequence stays whole and the partitioner picks the split dim (heads, MLP)
     for item, names in zip(sliced.flat, sliced.ops_of):
         if not names or traits.roles.get(names[-1]) != "sharded":
@@ -173,15 +182,41 @@ def _sequence_parallel(sliced, model, state, batch, stage, mesh) -> tuple[dict, 
         for v in item.eqn.outvars:
             shape = getattr(v.aval, "shape", ())
             if len(shape) >= 2 and shape[0] == rows and rows % stage.dp == 0 and seq_len in shape[1:]:
-                spec = [None if d == seq_len else P.UNCONSTRAINED for d in shape[1:]]
-                constrained[v] = NamedSharding(mesh, P(DATA, *spec))
+                # the first dim past the batch that is not the sequence and tp divides: heads
+                # (before head_dim), the MLP's hidden, the vocabulary
+                dim = next((d for d in range(1, len(shape)) if shape[d] != seq_len and shape[d] % tp == 0), None)
+                if dim is not None:
+                    spec = [MODEL if d == dim else None for d in range(1, len(shape))]
+                    constrained[v] = NamedSharding(mesh, P(DATA, *spec))
     gathered = {}
-    for i, item in enumerate(sliced.flat):
+    for i, (item, names) in enumerate(zip(sliced.flat, sliced.ops_of)):
         operands = item.eqn.invars
-        if any(tensor_split(a) for a in operands):
+        into_split = bool(names) and traits.roles.get(names[-1]) in ("sharded", "column", "row")
+        # an embedding's backward scatters the whole cotangent into its table, as Megatron-LM
+        # gathers it before the embedding's backward
+        scatter = item.eqn.primitive.name.startswith("scatter")
+        if into_split or scatter or any(tensor_split(a) for a in operands):
             whole = [k for k, a in enumerate(operands) if sequence_split(a, rank=2)]
             if whole:
                 gathered[i] = whole
+    # a value every reader takes whole (a per-token cotangent broadcast over the vocabulary) is
+    # computed whole; one that some reader takes split (a LayerNorm's output, also kept for its
+    # backward) is computed split
+    split_reads: dict = {}
+    for i, item in enumerate(sliced.flat):
+        for k, a in enumerate(item.eqn.invars):
+            if not isinstance(a, jcore.Literal):
+                split_reads[a] = split_reads.get(a, False) or k not in gathered.get(i, ())
+    for v, placed in list(constrained.items()):
+        if placed is sharding and not split_reads.get(v, True):
+            constrained[v] = reduced
+    # and what it is computed from comes whole: the (small) per-token operands, not its output
+    for i, (item, names) in enumerate(zip(sliced.flat, sliced.ops_of)):
+        if set(names) & traits.allreduce_ops or not any(constrained.get(v) is reduced for v in item.eqn.outvars):
+            continue
+        whole = sorted(set(gathered.get(i, [])) | {k for k, a in enumerate(item.eqn.invars) if sequence_split(a, 2)})
+        if whole:
+            gathered[i] = whole
     return constrained, gathered
 
 

@@ -78,7 +78,8 @@ class ParallelConfig:
     ``sequence_parallel``: under TP, the work tensor parallelism leaves replicated on the batch
     (LayerNorms, residual adds, dropout) splits over the TP ranks along the sequence, and each
     all-reduce becomes a reduce-scatter and an all-gather of the same ring bytes (Korthikanti et
-    al., 2022).
+    al., 2022); the gradients of the parameters that work reads (LayerNorm scales) are then
+    partial per rank and all-reduced over the TP group (``sequence_parallel_grad_bytes``).
 
     ``selective_recompute``: the backward pass rebuilds the layer's core attention (scores, mask,
     softmax, product with V; ``_recompute``) instead of keeping it (Korthikanti et al., 2022, §4);
@@ -283,17 +284,34 @@ class CostModel:
     def sequence_split_ops(self, tp: int) -> frozenset[str]:
         """The ops sequence parallelism splits over the ``tp`` ranks along the sequence: those
         tensor parallelism leaves whole that work on the batch (as ``_scale`` prices them)."""
+        traits = self.traits_for(tp)
         return self._memo(
             self._graph_memo,
             ("sequence split", tp),
             lambda: frozenset(
                 name
                 for name, batch in self._batch_dependent.items()
-                if batch
-                and name not in self.traits_for(tp).split_ops
-                and self.traits_for(tp).roles[name] != "sharded"
+                if batch and name not in traits.split_ops and traits.roles[name] != "sharded"
             ),
         )
+
+    def sequence_parallel_grad_bytes(self, index: int, tp: int) -> float:
+        """Bytes of the gradients sequence parallelism leaves partial on each of the ``tp`` ranks,
+        all-reduced over them: parameters tensor parallelism keeps whole that layer ``index``'s
+        sequence-split ops read, directly or through a reshape or cast (LayerNorm scales and
+        biases, the bias after a row-split matmul, a positional table), whole, as Megatron-LM
+        all-reduces them."""
+        split, traits = self.sequence_split_ops(tp), self.traits_for(tp)
+        read: set[str] = set()
+        for name in self.layers[index].ops:
+            if name not in split:
+                continue
+            read.update(self.graph.op(name).param_reads)
+            for pred in self.graph.nx.predecessors(name):
+                if traits.is_param_derived(pred):
+                    read.update(self.graph.op(pred).param_reads)
+        whole = [p for p in read if p in self.graph.params and traits.param_roles[p] not in ("column", "row")]
+        return float(sum(self.graph.params[p].nbytes for p in whole))
 
     def _representative(self, index: int) -> int:
         """The first layer with the same signature: identical layers share every cache entry."""
@@ -556,6 +574,8 @@ class CostModel:
         if config.recompute:
             tp_bwd += tp_fwd
         tp_comm = coll.all_reduce_s(tp_fwd, t, tp_link) + coll.all_reduce_s(tp_bwd, t, tp_link)
+        sp_grads = self.sequence_parallel_grad_bytes(index, t) if sp else 0.0
+        tp_comm += coll.all_reduce_s(sp_grads, t, tp_link)
         ring = self._context_parallel(index, device_type, t, m, cp, cp_link or self.default_link(device_type))
         cp_fwd, cp_bwd = (ring.chosen.exposed_forward_s, ring.chosen.exposed_backward_s) if ring else (0.0, 0.0)
         if config.recompute or selective:  # the rebuilt attention passes its K/V around again
@@ -606,6 +626,7 @@ class CostModel:
                 "tp_forward_bytes": tp_fwd,
                 "tp_backward_bytes": tp_bwd,
                 "dp_gather_bytes": gathered if replicas > 1 else 0.0,
+                "sp_grad_bytes": sp_grads,
                 "weights_once_s": weights,
                 "cp_forward_s": cp_fwd,
                 "cp_backward_s": cp_bwd,
