@@ -106,7 +106,7 @@ def render_html(plan: Plan, timeline: Timeline, *, title: str = "Orchestrator pl
                 str(k),
                 layers,
                 _devices(st.devices, st.devices_text),
-                str(st.tp),
+                str(st.tp) if st.cp == 1 else f"{st.tp} (cp {st.cp})",
                 str(st.dp),
                 "yes" if st.recompute else "no",
                 "/".join(map(str, st.shares)) if st.shares else str(st.microbatch_size),

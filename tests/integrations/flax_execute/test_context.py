@@ -15,6 +15,7 @@ from orchestrator.coarsen import coarsen
 from orchestrator.costs import CostModel, ParallelConfig
 from orchestrator.planner import Plan, plan
 from orchestrator.planner._groups import usable_memory_bytes
+from orchestrator.report import render_html
 from orchestrator.simulate import simulate
 from recipes import Recipe
 from recipes.gpt import GPTConfig
@@ -43,7 +44,10 @@ def test_a_sequence_whose_attention_does_not_fit_one_device_is_split(planned):
     assert all(stage.memory_bytes <= usable for stage in found.stages)
     assert any(len(group) == 5 and group[4] > 1 for group in found.space.groups)  # the space names CP
     assert Plan.from_json(found.to_json()) == found
-    assert simulate(found, model).iteration_s == pytest.approx(found.iteration_s, rel=1e-3)
+    timeline = simulate(found, model)
+    assert timeline.iteration_s == pytest.approx(found.iteration_s, rel=1e-3)
+    cp = found.stages[0].cp
+    assert f"(cp {cp})" in found.explain() and f"(cp {cp})" in render_html(found, timeline)
 
 
 def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
