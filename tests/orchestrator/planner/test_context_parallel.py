@@ -6,7 +6,7 @@ from integrations.flax import capture
 from orchestrator.cluster import load_cluster
 from orchestrator.coarsen import coarsen
 from orchestrator.costs import CostModel, ParallelConfig
-from orchestrator.planner._groups import GroupConfig, context_parallel_configs, type_infos
+from orchestrator.planner._groups import GroupConfig, context_link, context_parallel_configs, type_infos
 from orchestrator.planner._space import search_space
 from recipes import get_recipe
 
@@ -78,3 +78,12 @@ def test_a_plan_names_a_known_attention_form():
     data["stages"][0].update(cp_form="ring", cp=4)
     with pytest.raises(ValueError, match="tp·cp·dp = 4 device refs, got 2"):
         Plan.from_json(data)
+
+
+def test_a_ring_inside_a_host_uses_its_link_and_one_over_hosts_the_slowest_between_them():
+    infos = type_infos(load_cluster("h100x16"))  # two hosts of 8
+    (info,) = infos.values()
+    inside = GroupConfig(device_type=info.name, size=8, tp=1, recompute=False, cp=8)
+    across = GroupConfig(device_type=info.name, size=16, tp=1, recompute=False, cp=16)
+    assert context_link(inside, info) == info.intra_link
+    assert context_link(across, info) == info.inter_link != info.intra_link
