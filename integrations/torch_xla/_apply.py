@@ -113,8 +113,9 @@ def apply(
       ``step.plan`` the plan (what :func:`~integrations.torch_xla.fit` hands the callbacks).
 
     Raises:
-      PlanNotSupported: a pipeline plan, a device count that differs from the
-        local one, or tp > 1 without ``param_axes``.
+      PlanNotSupported: a pipeline plan, a stage asking for FSDP, sequence parallelism or
+        selective recompute, a device count that differs from the local one, or tp > 1
+        without ``param_axes``.
       ValueError: a malformed ``axis_rules`` table.
     """
     if len(plan.stages) != 1:
@@ -123,6 +124,12 @@ def apply(
             "(torch_xla SPMD compiles one program over a mesh of all devices): re-plan with one stage"
         )
     [stage] = plan.stages
+    asked = [name for name in ("fsdp", "sequence_parallel", "selective_recompute") if getattr(stage, name)]
+    if asked:
+        raise PlanNotSupported(
+            f"the plan's stage asks for {' and '.join(asked)}, which integrations.torch_xla does not run: "
+            "plan without it (plan() never asks for it) or run the step with integrations.flax"
+        )
     tp, dp = stage.tp, stage.dp
     tensor_parallel_axes(axis_rules)  # a malformed table fails before torch_xla starts
     if tp > 1 and not param_axes:

@@ -82,11 +82,15 @@ def search_space(
     sequence_parallel: bool = False,
     selective_recompute: bool = False,
     overlap_param_gather: bool = False,
+    fsdp: bool = False,
 ) -> SearchSpace:
     """``mixed``: also offer groups that join hosts of two device types (``_groups``);
-    ``sequence_parallel``: price every TP group with sequence parallelism (for pricing a given
-    configuration: the executors do not run it, so ``plan()`` never asks for it); likewise
-    ``selective_recompute`` and ``overlap_param_gather``."""
+    ``sequence_parallel``: price every TP group with sequence parallelism; likewise
+    ``selective_recompute``, ``fsdp`` (every data-parallel group) and ``overlap_param_gather``.
+    The plans record the first three per stage (``Stage``), and ``integrations.flax.compile_step``
+    runs them on one-stage plans; the pipeline executor and ``integrations.torch_xla`` do not, so
+    ``plan()``, which may return either, never asks for them (``overlap_param_gather`` is a
+    pricing option for published configurations)."""
     infos = type_infos(model.cluster, memory_headroom=memory_headroom)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
@@ -103,6 +107,7 @@ def search_space(
         sequence_parallel=sequence_parallel,
         selective_recompute=selective_recompute,
         overlap_param_gather=overlap_param_gather,
+        fsdp=fsdp,
     )
     # context parallelism only where it is needed, and never on a stand-in cost model without attention
     attention_length = getattr(model, "attention_length", lambda: None)

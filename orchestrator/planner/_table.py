@@ -60,13 +60,15 @@ class CostTable:
         sequence_parallel: bool = False,
         selective_recompute: bool = False,
         overlap_param_gather: bool = False,
+        fsdp: bool = False,
     ):
         """``links``: the slowest link between two types (``pair_links``), needed for mixed groups;
         ``sequence_parallel``: every group with TP prices it (``ParallelConfig.sequence_parallel``);
-        ``selective_recompute``, ``overlap_param_gather``: every group prices them (``ParallelConfig``)."""
+        ``selective_recompute``, ``overlap_param_gather``: every group prices them (``ParallelConfig``);
+        ``fsdp``: every group with data parallelism (``ParallelConfig.fsdp``)."""
         self.model, self.infos, self.global_batch, self.zero = model, infos, global_batch, zero
         self.sequence_parallel, self.selective_recompute = sequence_parallel, selective_recompute
-        self.overlap_param_gather = overlap_param_gather
+        self.overlap_param_gather, self.fsdp = overlap_param_gather, fsdp
         self.links = links or {}
         self._entries: dict = {}
         self._shares: dict = {}
@@ -197,6 +199,7 @@ class CostTable:
             microbatch_size=samples,
             recompute=group.recompute,
             zero=self.zero and group.dp > 1,
+            fsdp=self.fsdp and group.dp > 1,
             sequence_parallel=self.sequence_parallel and group.tp > 1,
             selective_recompute=self.selective_recompute,
             overlap_param_gather=self.overlap_param_gather,

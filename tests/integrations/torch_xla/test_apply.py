@@ -5,6 +5,7 @@ needs ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES=4`` and an HLO dump directory set
 before it starts, and this process runs jax with 8 host devices.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -78,6 +79,14 @@ def test_pipeline_plans_are_refused():
     two = Plan(stages=(one, one), schedule="1f1b", microbatches=2, global_batch=8, iteration_s=0.0)
     with pytest.raises(PlanNotSupported, match="2 pipeline stages"):
         apply(two, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("option", ["fsdp", "sequence_parallel", "selective_recompute"])
+def test_options_torch_xla_does_not_run_are_refused(option):
+    plan = _plan(2, 1, 8, 4)
+    plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], **{option: True}),))
+    with pytest.raises(PlanNotSupported, match=option):
+        apply(plan, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
 
 
 def test_tensor_parallel_needs_axes():
