@@ -145,12 +145,14 @@ def _norm(cfg: GPTConfig, name: str) -> nn.Module:
     return nn.RMSNorm(name=name) if cfg.llama else nn.LayerNorm(name=name)
 
 
-def rotary(x, theta: float):
+def rotary(x, theta: float, positions=None):
     """Rotary position embedding of ``x`` (batch, seq, heads, head_dim): each pair (x[2i], x[2i+1])
-    at position p rotated by p·theta^(−2i/head_dim) (Su et al. 2021)."""
+    at position p rotated by p·theta^(−2i/head_dim) (Su et al. 2021); ``positions`` (seq,), the
+    position of each place of the sequence, default 0 … seq − 1."""
     seq, dim = x.shape[1], x.shape[-1]
+    positions = jnp.arange(seq) if positions is None else positions
     inverse = theta ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inverse[None]  # (seq, dim/2)
+    angles = jnp.asarray(positions, jnp.float32)[:, None] * inverse[None]  # (seq, dim/2)
     cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], dim // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -219,9 +221,20 @@ class GroupedQueryAttention(nn.Module):
         cfg = self.config
         q = _dense((cfg.num_heads, cfg.head_dim), ("embed", "heads", "kv"), "q", cfg.dtype, use_bias=False)(x)
         kv = _dense((2, cfg.kv_heads, cfg.head_dim), ("embed", None, "heads", "kv"), "kv", cfg.dtype, use_bias=False)(x)
-        q, k, v = rotary(q, cfg.rope_theta), rotary(kv[:, :, 0], cfg.rope_theta), kv[:, :, 1]
-        out = grouped_causal_attention(q, k, v)
+        positions = self.positions(x.shape[1])
+        q, k, v = rotary(q, cfg.rope_theta, positions), rotary(kv[:, :, 0], cfg.rope_theta, positions), kv[:, :, 1]
+        out = self.core_attention(q, k, v)
         return _dense(cfg.d_model, ("heads", "kv", "embed"), "o", cfg.dtype, axis=(-2, -1), use_bias=False)(out)
+
+    def positions(self, seq: int):
+        """The position of each place of the sequence, (seq,): 0 … seq − 1. A method of its own, so an
+        executor that stores the sequence in another order (``nn.intercept_methods``) gives that order's."""
+        return jnp.arange(seq)
+
+    def core_attention(self, q, k, v):
+        """:func:`grouped_causal_attention`, as a method an executor can run another way (ring attention
+        under context parallelism)."""
+        return grouped_causal_attention(q, k, v)
 
 
 class MLP(nn.Module):

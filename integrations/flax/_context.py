@@ -11,7 +11,9 @@ while the step is traced:
 
     positions        an ``nn.Embed`` looked up at a vector of indices, one per place of the sequence
                      and shared by the batch (learned positions, ``wpe(arange(T))``), is looked up at
-                     that vector in layout order instead (``layout_positions``);
+                     that vector in layout order instead (``layout_positions``); a module method
+                     ``positions(seq)`` (rotary embeddings read it: ``recipes.gpt``'s Llama attention)
+                     returns the layout's positions;
     core attention   a module method ``core_attention(q, k, v)``, causal softmax(QKᵀ/√d) V over
                      (batch, seq, heads, head_dim) arrays (``recipes.gpt.CausalSelfAttention`` has
                      one), runs as ring or all-gather attention (``conductor.kernels.ring``) under
@@ -41,7 +43,7 @@ from conductor.kernels.ring import Form, Layout, layout_positions, ring_attentio
 from orchestrator.cluster import ring_order
 
 DATA, CONTEXT = "data", "context"
-CORE_ATTENTION = "core_attention"
+CORE_ATTENTION, POSITIONS = "core_attention", "positions"
 
 
 def context_mesh(devices: Sequence, *, context_parallel: int) -> Mesh:
@@ -122,6 +124,8 @@ def context_parallel_step(
         if isinstance(context.module, nn.Embed) and context.method_name == "__call__" and jnp.ndim(args[0]) == 1:
             (indices,) = args  # (seq,): one per place of the sequence, the batch's tokens being (batch, seq)
             return next_fun(jnp.take(indices, layout_positions(indices.shape[0], n, layout)), **kwargs)
+        if context.method_name == POSITIONS and len(args) == 1 and isinstance(args[0], int):
+            return jnp.asarray(layout_positions(args[0], n, layout))
         if context.method_name == CORE_ATTENTION:
             q, k, v = args
             return ring_attention(
