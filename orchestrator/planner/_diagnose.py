@@ -39,6 +39,12 @@ def binding_notes(
             split = " and ".join(f"{b} per replica on {kind}" for kind, b in zip(group.by_type, shares))
             notes.append(f"stage {s} spans {group.device_type}: each microbatch is split {split}")
             continue
+        if group.cp > 1:
+            forms = {space.table.entry(i, group, microbatches).cp_form for i in layers} - {None}
+            notes.append(
+                f"stage {s} splits each sequence over {group.cp} devices ({' and '.join(sorted(forms)).replace('_', '-') or 'no'} "
+                f"attention): some layer fits no {group.device_type} device with its whole sequence"
+            )
         info = space.infos[group.device_type]
         share = ev.stage_memory_bytes[s] / info.memory_bytes
         if share >= NEAR:

@@ -48,6 +48,7 @@ def test_a_sequence_whose_attention_does_not_fit_one_device_is_split(planned):
     assert timeline.iteration_s == pytest.approx(found.iteration_s, rel=1e-3)
     cp = found.stages[0].cp
     assert f"(cp {cp})" in found.explain() and f"(cp {cp})" in render_html(found, timeline)
+    assert any(f"stage 0 splits each sequence over {cp} devices (ring attention)" in note for note in found.notes)
 
 
 def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
