@@ -18,8 +18,10 @@ while the step is traced:
                      (batch, seq, heads, head_dim) arrays (``recipes.gpt.CausalSelfAttention`` has
                      one), runs as ring or all-gather attention (``conductor.kernels.ring``) under
                      ``jax.shard_map`` over the two axes, K/V blocks passed around the ring while
-                     each block computes. The form (ring or all-gather) is the cost model's choice
-(``orchestrator.costs.context_parallel_cost``), passed in as ``form``.
+                     each block computes.
+
+The form (ring or all-gather) is the cost model's choice (``orchestrator.costs.context_parallel_cost``,
+recorded in a plan as ``Stage.cp_form``), passed in as ``form``.
 
 Example:
     >>> mesh = context_mesh(jax.devices()[:8], context_parallel=4)  # doctest: +SKIP

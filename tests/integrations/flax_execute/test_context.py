@@ -2,6 +2,7 @@
 planned with the sequence split (CP > 1), and the plan trains 5 steps on 8 CPU devices, the sequence in
 the zigzag layout and attention run as ring attention, with the losses of one device at the same length."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 
 from integrations.flax import capture, compile_step, shard
-from integrations.flax._context import context_batch, context_mesh, context_parallel_step, replicate
+from integrations.flax._context import (
+    ContextParallelStep,
+    context_batch,
+    context_mesh,
+    context_parallel_step,
+    replicate,
+    stage_context_mesh,
+)
 from orchestrator.cluster import load_cluster
 from orchestrator.coarsen import coarsen
 from orchestrator.costs import CostModel, ParallelConfig
@@ -98,3 +106,15 @@ def test_the_llama_variant_splits_its_rotary_positions_and_grouped_attention():
         state, metrics = step(state, context_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_what_the_context_parallel_step_does_not_run_is_refused(planned):
+    _, found = planned
+    with pytest.raises(ValueError, match="do not split into context-parallel rings of 3"):
+        context_mesh(jax.devices()[:8], context_parallel=3)
+    one = dataclasses.replace(found, stages=(dataclasses.replace(found.stages[0], cp=1, dp=8),))
+    with pytest.raises(ValueError, match="one stage with cp > 1"):
+        ContextParallelStep(one, RECIPE.train_step)
+    with_tp = dataclasses.replace(found.stages[0], tp=2, dp=1)
+    with pytest.raises(ValueError, match="context parallelism runs without TP here"):
+        stage_context_mesh(with_tp, {})
