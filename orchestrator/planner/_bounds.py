@@ -82,14 +82,18 @@ def _packing_search(
 
 def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dict[int, float]]:
     """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff, which
-    closes the piece: the LP of every (M, S), the incumbent's M and its neighbours first, then, where
+    closes the piece: the first LP of every (M, S), the incumbent's M and its neighbours first (a
+    piece that cannot beat the incumbent closes there), then the bisection of every piece left open,
+    weakest first (``StageColumns.first_bound_s``), so that no M keeps only its capacity bound while
+    another M's pieces are tightened; then, where
     an LP leaves its (M, S) more than ``gap`` below the incumbent, its MIP (after every LP, weakest
     first; a fair share of the time left, at least ``options.column_mip_s``), all on
     ``default_workers()`` threads (highspy releases the GIL). Every MIP solution whose stages chain
     is offered to ``best``; the MIP then excludes it and goes on (``StageColumns.integer_bound_s``).
     A better incumbent lowers the cutoff for the MIPs running and still to run, and a MIP stopped by
     its time limit runs again, with at least ``options.retry_growth`` times its last limit, while
-    time is left. Solves ``deadline`` stops leave their (M, S) out (LP) or at the LP's bound (MIP)."""
+    time is left. Solves ``deadline`` stops leave their (M, S) out (first LP) or at its first LP's bound
+    (bisection) or at the LP's bound (MIP)."""
     space, candidates, max_stages, gap, options = (
         scope.space,
         scope.candidates,
@@ -113,7 +117,7 @@ def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dic
     workers = default_workers()
     pool = ThreadPoolExecutor(workers)
     jobs = [
-        ("lp", M, S, functools.partial(columns[M].bound_s, S, cutoff_s=cutoff_s))
+        ("lp", M, S, functools.partial(columns[M].first_bound_s, S, cutoff_s=cutoff_s))
         for M in order
         for S in range(1, max_stages + 1)
     ]
@@ -151,13 +155,23 @@ def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dic
             waiting = sorted((found[M][S], M, S) for M, S in pieces if found[M][S] < cutoff_s)
             jobs.extend(("mip", M, S, functools.partial(mip, M, S)) for _, M, S in waiting)
 
-    lps, stopped = len(jobs), []
+    lps, stopped, refines = len(jobs), [], {}
     try:
         for kind, M, S, result in _on_threads(pool, workers, jobs, deadline):
-            if kind == "lp":
-                found[M][S] = result
+            if kind in ("lp", "bisect"):
+                if kind == "lp":
+                    found[M][S], refine = result
+                    if refine is not None:
+                        refines[M, S] = refine
+                else:
+                    found[M][S] = max(found[M][S], result)
                 lps -= 1
-                if not lps:
+                if not lps and refines:  # every first LP done: the bisections, weakest piece first
+                    log.debug("column first LPs done, %d pieces open", len(refines))
+                    for key in sorted(refines, key=lambda key: (found[key[0]][key[1]], key)):
+                        jobs.append(("bisect", *key, refines.pop(key)))
+                        lps += 1
+                elif not lps:
                     log.debug("column LPs done")
                     queue([(M, S) for M, bounds in found.items() for S in bounds])
                 continue

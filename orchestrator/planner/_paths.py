@@ -274,24 +274,37 @@ class StageColumns:
         one whose stages all compute within T takes at least Z(T), the LP with the slower columns
         closed. So min(M·T, Z(T)) bounds every plan, for every T; Z falls as T grows, and a
         bisection of at most ``probes`` solves looks for the crossing."""
+        bound, refine = self.first_bound_s(stages, cutoff_s=cutoff_s)
+        return bound if refine is None else refine(probes)
+
+    def first_bound_s(self, stages: int, *, cutoff_s: float = math.inf) -> tuple[float, Callable[[int], float] | None]:
+        """:meth:`bound_s` in two steps: the bound of its first solve, Z(T) at the largest T below the
+        cutoff (M·T = the cutoff), which is all a piece that cannot beat the incumbent needs; and,
+        where that leaves the piece open, ``refine(probes)``, the bisection that tightens it (the LP
+        kept loaded), else None. A search that gives every piece its first solve before any
+        bisection bounds every piece before it tightens any."""
         M, cutoff_ms = self.M, cutoff_s * MS
         lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
-        hi = cutoff_ms / M if math.isfinite(cutoff_ms) else float(lp.stage_ms.max(initial=0.0))
-        z_hi = lp.least_step_ms(hi)
-        if z_hi >= cutoff_ms:
-            return cutoff_s if math.isfinite(cutoff_ms) else math.inf
-        best = z_hi  # (every plan has its stages within hi, or is above the cutoff)
-        lo = best / M  # below it, M·T ≤ best: nothing to gain
-        for _ in range(probes):
-            if hi - lo <= TOLERANCE * hi:
-                break
-            mid = (lo + hi) / 2
-            z = lp.least_step_ms(mid)
-            if z >= M * mid:  # the crossing lies above mid: min(M·T, Z(T)) ≥ M·mid there
-                best, lo = max(best, M * mid), mid
-            else:
-                best, hi = max(best, z), mid
-        return min(best, cutoff_ms) / MS
+        top = cutoff_ms / M if math.isfinite(cutoff_ms) else float(lp.stage_ms.max(initial=0.0))
+        z_top = lp.least_step_ms(top)
+        if z_top >= cutoff_ms:
+            return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None
+
+        def refine(probes: int = PROBES) -> float:
+            best, hi = z_top, top  # (every plan has its stages within hi, or is above the cutoff)
+            lo = best / M  # below it, M·T ≤ best: nothing to gain
+            for _ in range(probes):
+                if hi - lo <= TOLERANCE * hi:
+                    break
+                mid = (lo + hi) / 2
+                z = lp.least_step_ms(mid)
+                if z >= M * mid:  # the crossing lies above mid: min(M·T, Z(T)) ≥ M·mid there
+                    best, lo = max(best, M * mid), mid
+                else:
+                    best, hi = max(best, z), mid
+            return min(best, cutoff_ms) / MS
+
+        return min(z_top, cutoff_ms) / MS, refine
 
     def integer_bound_s(
         self,
