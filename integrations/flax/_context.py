@@ -172,7 +172,7 @@ class ContextParallelStep:
       form: ``"ring"`` or ``"all_gather"``; None: the plan's (``Stage.cp_form``, the cost model's
         choice), else the ring.
     Raises:
-      ValueError: a plan of several stages, or a stage without context parallelism or with TP.
+      ValueError: a plan of several stages, or a stage without context parallelism, with TP or with FSDP.
     """
 
     def __init__(self, plan, train_step: Callable, *, cluster=None, form: Form | None = None):
@@ -180,6 +180,8 @@ class ContextParallelStep:
 
         if len(plan.stages) != 1 or plan.stages[0].cp < 2:
             raise ValueError("the context-parallel step runs a plan of one stage with cp > 1")
+        if plan.stages[0].fsdp:
+            raise ValueError("the context-parallel step keeps the parameters whole: plan it without fsdp")
         self.plan = plan
         self.mesh = stage_context_mesh(plan.stages[0], device_map(cluster), cluster)
         form = form or plan.stages[0].cp_form or "ring"

@@ -115,6 +115,9 @@ def test_what_the_context_parallel_step_does_not_run_is_refused(planned):
     one = dataclasses.replace(found, stages=(dataclasses.replace(found.stages[0], cp=1, dp=8),))
     with pytest.raises(ValueError, match="one stage with cp > 1"):
         ContextParallelStep(one, RECIPE.train_step)
+    sharded = dataclasses.replace(found, stages=(dataclasses.replace(found.stages[0], fsdp=True),))
+    with pytest.raises(ValueError, match="plan it without fsdp"):
+        ContextParallelStep(sharded, RECIPE.train_step)
     with_tp = dataclasses.replace(found.stages[0], tp=2, dp=1)
     with pytest.raises(ValueError, match="context parallelism runs without TP here"):
         stage_context_mesh(with_tp, {})
