@@ -56,21 +56,73 @@ def test_inspect_tells_the_kernel_from_what_runs_in_its_chunks():
     assert any(e.startswith("pad ") for e in decision.fused)  # the causal convolution
 
 
+def _loss_and_grads(r, params, data, dtype: str, rewritten: bool):
+    model = dataclasses.replace(r, config=dataclasses.replace(r.config, dtype=dtype)).model()
+    apply = conductor.optimize(model.apply) if rewritten else model.apply
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    return jax.jit(jax.value_and_grad(lambda p: loss_fn(p, apply, data)))(params)
+
+
+def _moved_one_ulp(params):
+    """Every parameter times 1 ± ε of its dtype (random signs): a change below the dtype's resolution."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    moved = [
+        x * (1 + jnp.finfo(x.dtype).eps * jax.random.rademacher(k, x.shape, x.dtype)) for k, x in zip(keys, leaves)
+    ]
+    return jax.tree.unflatten(tree, moved)
+
+
+def _worst_leaf(got, want) -> float:  # max |Δ| / max |g| of the worst leaf
+    return max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(*map(jax.tree.leaves, (got, want))))
+
+
 def test_loss_and_gradients_equal_the_written_form():
+    """In float64 the rewritten step's loss and gradients are the written step's; in float32 they
+    differ by no more than float32 resolves.
+
+    The float32 floor is what moving every parameter of the written step by one ulp does to its own
+    gradients, of the order of 1e-5 of their scale at this size and more with depth: two float32
+    evaluations that round differently anywhere in the forward pass agree to about that and no closer.
+    """
     r = _recipe()
-    state = jax.jit(r.create_state)(jax.random.key(0))
-    data = r.batch_for_step(0, 0, 2, 128)  # 8 chunks of 16: the convolution reaches across each boundary
+    with jax.enable_x64(True):
+        wide = dataclasses.replace(r, config=dataclasses.replace(r.config, dtype="float64"))
+        params = jax.jit(wide.create_state)(jax.random.key(0)).params
+        data = wide.batch_for_step(0, 0, 2, 128)  # 8 chunks of 16: the convolution reaches across each boundary
+        loss, grads = _loss_and_grads(r, params, data, "float64", rewritten=False)
+        fast_loss, fast_grads = _loss_and_grads(r, params, data, "float64", rewritten=True)
+        # float64 rounding through two layers is ~1e-14; any part of the rewrite in float32 shows as ~1e-7
+        np.testing.assert_allclose(float(fast_loss), float(loss), rtol=1e-10)
+        assert _worst_leaf(fast_grads, grads) <= 1e-10
 
-    def loss_and_grads(apply):
-        return jax.jit(jax.value_and_grad(lambda p: loss_fn(p, apply, data)))(state.params)
+        loss32, grads32 = _loss_and_grads(r, params, data, "float32", rewritten=False)
+        fast_loss32, fast_grads32 = _loss_and_grads(r, params, data, "float32", rewritten=True)
+        _, moved_grads32 = _loss_and_grads(
+            r, _moved_one_ulp(jax.tree.map(lambda x: x.astype(jnp.float32), params)), data, "float32", rewritten=False
+        )
+        np.testing.assert_allclose(float(fast_loss32), float(loss32), rtol=1e-5)
+        floor = _worst_leaf(moved_grads32, grads32)
+        # each float32 evaluation is about one floor from exact arithmetic, so two are about two apart
+        assert _worst_leaf(fast_grads32, grads32) <= 2 * floor, (_worst_leaf(fast_grads32, grads32), floor)
 
-    (loss, grads), (fast_loss, fast_grads) = (
-        loss_and_grads(state.apply_fn),
-        loss_and_grads(conductor.optimize(state.apply_fn)),
-    )
+
+def test_float32_gradients_equal_the_written_form_within_1e_5_with_chunks_of_64():
+    """At T = 2048 the default chunk is 64 steps: the island's per-chunk projections round as the
+    whole-sequence ones, so the float32 forms agree within issue 40's 1e-5 (a narrow model keeps the
+    written (B, T, D, N) tensors small)."""
+    r = _recipe()
+    r = dataclasses.replace(r, config=dataclasses.replace(r.config, d_model=128))
+    with jax.enable_x64(True):
+        wide = dataclasses.replace(r, config=dataclasses.replace(r.config, dtype="float64"))
+        params = jax.jit(wide.create_state)(jax.random.key(0)).params
+        data = wide.batch_for_step(0, 0, 2, 2048)
+        loss, grads = _loss_and_grads(r, params, data, "float32", rewritten=False)
+        fast_loss, fast_grads = _loss_and_grads(r, params, data, "float32", rewritten=True)
+        [(_, decision), _] = conductor.inspect(r.model().apply, {"params": grads}, data["inputs"])
+    assert decision.rewrite and decision.block_sizes.chunk == 64
     np.testing.assert_allclose(float(fast_loss), float(loss), rtol=1e-5)
-    for fast, plain in zip(jax.tree.leaves(fast_grads), jax.tree.leaves(grads)):
-        assert np.max(np.abs(fast - plain)) <= 1e-5 * np.max(np.abs(plain))
+    assert _worst_leaf(fast_grads, grads) <= 1e-5
 
 
 def _mixer(shift):
