@@ -47,14 +47,19 @@ def _options_model(train_step: Callable, state, batch, *, param_axes, axis_rules
     """(graph, sliced step, cost model) of ``train_step`` traced at ``batch``'s shape."""
     from integrations.flax._capture import capture
     from integrations.flax._slice import SlicedStep
+
+    graph = capture(train_step, state, batch)
+    sliced = SlicedStep(train_step, state, batch, graph=graph)
+    return graph, sliced, _cost_model(graph, batch, param_axes=param_axes, axis_rules=axis_rules)
+
+
+def _cost_model(graph, batch, *, param_axes, axis_rules):
     from orchestrator.cluster import load_cluster
     from orchestrator.coarsen import coarsen
     from orchestrator.costs import CostModel
 
-    graph = capture(train_step, state, batch)
-    sliced = SlicedStep(train_step, state, batch, graph=graph)
     batch_size = {jax.numpy.shape(leaf)[0] for leaf in jax.tree.leaves(batch)}
-    model = CostModel(
+    return CostModel(
         graph,
         coarsen(graph),
         load_cluster("local"),
@@ -62,7 +67,6 @@ def _options_model(train_step: Callable, state, batch, *, param_axes, axis_rules
         param_axes=param_axes,
         axis_rules=axis_rules,
     )
-    return graph, sliced, model
 
 
 def _bind(eqn, invals):
@@ -309,3 +313,96 @@ def rewrite_step(train_step: Callable, state, batch, *, stage, mesh, param_axes=
         return jax.tree.unflatten(out_tree, [read(a) for a in sliced.outvars])
 
     return run
+
+
+def stage_function(program, stage, mesh, *, state, batch, param_axes=None, axis_rules=None) -> Callable:
+    """A pipeline stage's forward (``program``, cut by :func:`~integrations.flax.cut_stages` from
+    the step traced at ``state``, ``batch``: one replica's microbatch) with ``stage``'s sequence
+    parallelism and selective recompute, as ``jcore.jaxpr_as_fun(program.closed)`` takes its
+    arguments.
+
+    The constraints are those of the one-stage program (module docstring); with dp > 1 the
+    stage runs under ``shard_map`` with ``"data"`` manual, so they name ``"model"`` only. The
+    core attention runs under ``jax.checkpoint``: the stage's backward is its own program, so the
+    VJP keeps the core's inputs and rebuilds the rest there.
+    """
+    sliced = program.sliced
+    model = _cost_model(sliced.graph, batch, param_axes=param_axes, axis_rules=axis_rules)
+    constrained: dict = {}
+    gathered: dict = {}
+    if stage.sequence_parallel and stage.tp > 1:
+        constrained, gathered = _sequence_parallel(sliced, model, state, batch, stage, mesh)
+        if stage.dp > 1:  # inside shard_map: the data axis is manual, the batch already local
+            constrained = {v: P(*(None if a == DATA else a for a in s.spec)) for v, s in constrained.items()}
+    whole = P() if stage.dp > 1 else NamedSharding(mesh, P(DATA))
+    position = {i: k for k, i in enumerate(program.flat)}
+    groups = []  # (positions of the core's equations in the stage, values read after them)
+    if stage.selective_recompute and not stage.recompute:
+        cores = _Cores(sliced, model, len(sliced.flat))
+        for eqns, _, _ in cores.groups:
+            if not all(i in position for i in eqns):
+                continue
+            mine = sorted(position[i] for i in eqns)
+            while True:  # with what reads the core before it ends (the forward's jvp residuals)
+                produced = {v for k in mine for v in program.closed.jaxpr.eqns[k].outvars}
+                last = mine[-1]
+                readers = [
+                    (k, a)
+                    for k, eqn in enumerate(program.closed.jaxpr.eqns)
+                    if k not in mine
+                    for a in eqn.invars
+                    if not isinstance(a, jcore.Literal) and a in produced
+                ]
+                early = {k for k, _ in readers if k < last}
+                if not early:
+                    break
+                mine = sorted(set(mine) | early)
+            used = {a for _, a in readers} | {a for a in program.closed.jaxpr.outvars if a in produced}
+            groups.append((mine, [v for k in mine for v in program.closed.jaxpr.eqns[k].outvars if v in used]))
+    in_group = {k: g for g, (mine, _) in enumerate(groups) for k in mine}
+    ends = {mine[-1]: g for g, (mine, _) in enumerate(groups)}
+    jaxpr = program.closed.jaxpr
+
+    def fun(*args):
+        env = dict(zip(jaxpr.constvars, program.closed.consts))
+        env.update(zip(jaxpr.invars, args))
+
+        def read(atom):
+            return atom.val if isinstance(atom, jcore.Literal) else env[atom]
+
+        def run(k, local):
+            eqn = jaxpr.eqns[k]
+            invals = [a.val if isinstance(a, jcore.Literal) else local[a] if a in local else env[a] for a in eqn.invars]
+            for j in gathered.get(program.flat[k], ()):
+                invals[j] = jax.lax.with_sharding_constraint(invals[j], whole)
+            for var, value in zip(eqn.outvars, _bind(eqn, invals)):
+                if var in constrained:
+                    value = jax.lax.with_sharding_constraint(value, constrained[var])
+                local[var] = value
+
+        for k in range(len(jaxpr.eqns)):
+            if k in in_group:
+                if k in ends:
+                    mine, outs = groups[ends[k]]
+                    produced = {v for j in mine for v in jaxpr.eqns[j].outvars}
+                    inputs = list(
+                        dict.fromkeys(
+                            a
+                            for j in mine
+                            for a in jaxpr.eqns[j].invars
+                            if not isinstance(a, jcore.Literal) and a not in produced
+                        )
+                    )
+
+                    def core(values, mine=mine, inputs=inputs, outs=outs):
+                        local = dict(zip(inputs, values))
+                        for j in mine:
+                            run(j, local)
+                        return [local[v] for v in outs]
+
+                    env.update(zip(outs, jax.checkpoint(core)([read(a) for a in inputs])))
+                continue
+            run(k, env)
+        return [read(a) for a in jaxpr.outvars]
+
+    return fun

@@ -68,8 +68,8 @@ class Built:
 class _StageMath:
     """A stage program as a function of its differentiable inputs, and its VJP."""
 
-    def __init__(self, program: StageProgram):
-        self.fun = jcore.jaxpr_as_fun(program.closed)
+    def __init__(self, program: StageProgram, fun: Callable | None = None):
+        self.fun = fun or jcore.jaxpr_as_fun(program.closed)
         self.diff = [
             i
             for i, (kind, aval) in enumerate(zip(program.inputs, program.closed.in_avals))
@@ -177,9 +177,11 @@ def _replicated(math: _StageMath, program: StageProgram, mesh, dp: int, local_ba
     return jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,))
 
 
-def stage_fns(program: StageProgram, stage, mesh, local_batch: int) -> StageFns:
-    """Compile (lazily, as jitted functions) stage ``program``'s forward and backward."""
-    math = _StageMath(program)
+def stage_fns(program: StageProgram, stage, mesh, local_batch: int, fun: Callable | None = None) -> StageFns:
+    """Compile (lazily, as jitted functions) stage ``program``'s forward and backward; ``fun``: the
+    forward as run (with the stage's options, :func:`~integrations.flax._options.stage_function`)
+    if not the program as cut."""
+    math = _StageMath(program, fun)
     if stage.dp == 1:
         forward, backward = _single_replica(math, stage.recompute)
     else:
@@ -279,7 +281,7 @@ class PipelineBuilder:
             raise ValueError(f"every batch leaf needs a leading dim divisible by {m} microbatches, got sizes {sizes}")
         micro = next(iter(sizes)) // m
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        cuts = {}  # data-parallel degree → the step cut at the per-replica microbatch
+        cuts, specs = {}, {}  # data-parallel degree → the step cut at the per-replica microbatch
         for stage in self.plan.stages:
             if micro % stage.dp:
                 raise ValueError(f"a microbatch of {micro} samples does not split over dp={stage.dp} replicas")
@@ -287,11 +289,25 @@ class PipelineBuilder:
                 local = micro // stage.dp
                 spec = jax.tree.map(lambda x, b=local: jax.ShapeDtypeStruct((b, *np.shape(x)[1:]), x.dtype), batch)
                 cuts[stage.dp] = cut_stages(self.train_step, abstract, spec, plan=self.plan, layers=self.layers)
+                specs[stage.dp] = spec
         programs = [cuts[stage.dp][s] for s, stage in enumerate(self.plan.stages)]
-        fns = [
-            stage_fns(p, self.plan.stages[p.index], self.meshes[p.index], micro // self.plan.stages[p.index].dp)
-            for p in programs
-        ]
+        fns = []
+        for p in programs:
+            stage, mesh = self.plan.stages[p.index], self.meshes[p.index]
+            fun = None
+            if (stage.sequence_parallel and stage.tp > 1) or (stage.selective_recompute and not stage.recompute):
+                from integrations.flax._options import stage_function
+
+                fun = stage_function(
+                    p,
+                    stage,
+                    mesh,
+                    state=abstract,
+                    batch=specs[stage.dp],
+                    param_axes=self.param_axes,
+                    axis_rules=self.axis_rules,
+                )
+            fns.append(stage_fns(p, stage, mesh, micro // stage.dp, fun))
         return Built(micro=micro, programs=programs, fns=fns)
 
     def _update_fn(self, s: int):

@@ -32,7 +32,9 @@ class StageProgram:
 
     ``inputs``: per jaxpr invar, ``("param", path)``, ``("batch", leaf index)`` or
     ``("act", producer stage, key)``; ``outputs``: keys of the activations it
-    produces (consumed by later stages), then ``"loss"`` if it computes it.
+    produces (consumed by later stages), then ``"loss"`` if it computes it;
+    ``flat``: per equation of ``closed``, its index in ``sliced.flat``, the flattened step it
+    was cut from (which ties it to the captured ops, for the stage's options).
     """
 
     index: int
@@ -40,6 +42,8 @@ class StageProgram:
     inputs: list[tuple]
     outputs: list[object]
     consumers: dict[object, list[int]] = field(default_factory=dict)
+    flat: list[int] = field(default_factory=list)
+    sliced: SlicedStep | None = None
 
 
 def _out_loss_index(train_step, state, batch) -> int:
@@ -92,10 +96,11 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
 
     n = len(plan.stages)
     eqns: list[list] = [[] for _ in range(n)]
+    flat: list[list[int]] = [[] for _ in range(n)]
     producer: dict[object, int] = {}
     # Activations are keyed by (flat equation, output) position, the same in traces at any batch size.
     position = {v: (i, j) for i, item in enumerate(sliced.flat) for j, v in enumerate(item.eqn.outvars)}
-    for item, names in zip(sliced.flat, sliced.ops_of):
+    for i, (item, names) in enumerate(zip(sliced.flat, sliced.ops_of)):
         phases = {graph.op(name).phase for name in names}
         if phases != {"forward"}:
             continue
@@ -104,6 +109,7 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
             raise ValueError(f"one equation spans stages {sorted(stages)}")
         [s] = stages
         eqns[s].append(item.eqn)
+        flat[s].append(i)
         for var in item.eqn.outvars:
             producer[var] = s
     if loss_var not in producer:
@@ -158,5 +164,9 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
         closed = jcore.ClosedJaxpr(jaxpr, [sliced.consts[a] for a in const_inputs])
         keys = ["loss" if v is loss_var else position[v] for v in outputs]
         consumers = {position[v]: [t for t in range(s + 1, n) if v in reads[t]] for v in outputs if v is not loss_var}
-        out.append(StageProgram(index=s, closed=closed, inputs=kinds, outputs=keys, consumers=consumers))
+        out.append(
+            StageProgram(
+                index=s, closed=closed, inputs=kinds, outputs=keys, consumers=consumers, flat=flat[s], sliced=sliced
+            )
+        )
     return out

@@ -114,13 +114,11 @@ def compile_step(
             f"stage {mixed[0]} of the plan spans two device types with uneven batch shares, which one SPMD "
             "program cannot run: plan with mixed_stages=False to execute it"
         )
-    optioned = [
-        s for s, stage in enumerate(plan.stages) if stage.fsdp or stage.sequence_parallel or stage.selective_recompute
-    ]
-    if len(plan.stages) > 1 and optioned:
+    sharded = [s for s, stage in enumerate(plan.stages) if stage.fsdp]
+    if len(plan.stages) > 1 and sharded:
         raise ValueError(
-            f"stage {optioned[0]} of the {len(plan.stages)}-stage plan asks for FSDP, sequence parallelism or "
-            "selective recompute, which the pipeline executor does not run: plan one stage or without them"
+            f"stage {sharded[0]} of the {len(plan.stages)}-stage plan asks for FSDP, which the pipeline executor "
+            "does not run: plan one stage or without it"
         )
     if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: ring attention (_context)
         from integrations.flax._context import ContextParallelStep

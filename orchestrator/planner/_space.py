@@ -87,10 +87,10 @@ def search_space(
     """``mixed``: also offer groups that join hosts of two device types (``_groups``);
     ``sequence_parallel``: price every TP group with sequence parallelism; likewise
     ``selective_recompute``, ``fsdp`` (every data-parallel group) and ``overlap_param_gather``.
-    The plans record the first three per stage (``Stage``), and ``integrations.flax.compile_step``
-    runs them on one-stage plans; the pipeline executor and ``integrations.torch_xla`` do not, so
-    ``plan()``, which may return either, never asks for them (``overlap_param_gather`` is a
-    pricing option for published configurations)."""
+    The plans record the first three per stage (``Stage``); ``integrations.flax.compile_step``
+    runs them (FSDP on one-stage plans only) and ``integrations.torch_xla.apply`` refuses them,
+    so ``plan()``, which may return a pipeline or a plan for torch, does not ask for them
+    (``overlap_param_gather`` is a pricing option for published configurations)."""
     infos = type_infos(model.cluster, memory_headroom=memory_headroom)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
@@ -109,9 +109,9 @@ def search_space(
         overlap_param_gather=overlap_param_gather,
         fsdp=fsdp,
     )
-    # context parallelism only where it is needed, and never on a stand-in cost model without attention
-    attention_length = getattr(model, "attention_length", lambda: None)
-    if (length := attention_length()) is not None:
+    # context parallelism only where it is needed, and never on a stand-in cost model without a sequence to split
+    context_length = getattr(model, "context_length", lambda: None)
+    if (length := context_length()) is not None:
         needed = table.needs_context_parallel(groups)
         groups += context_parallel_configs(
             infos, seq_len=length, device_types=needed, global_batch=global_batch, recompute=recompute

@@ -113,8 +113,45 @@ def test_selective_recompute_holds_what_is_priced():
     assert _peak(memory) == pytest.approx(priced, rel=0.10)
 
 
-def test_a_pipeline_plan_with_an_option_the_pipeline_does_not_run_is_refused():
-    plan = _with(check_plan("2 stages (3+1) x 4 mb", global_batch=16), selective_recompute=True)
+@pytest.mark.parametrize("option", ["sequence_parallel", "selective_recompute"])
+def test_a_pipeline_runs_the_option_in_its_stages_and_trains_like_one_device(option):
+    """Stage 0 of this plan is DP2×TP2 (sequence parallelism under ``shard_map``, the core
+    attention under ``jax.checkpoint`` in its own backward program), stage 1 DP4."""
+    _trains_like_one_device(_with(check_plan("2 stages (3+1) x 4 mb", global_batch=16), **{option: True}), 16, 32)
+
+
+def _first_stage(plan, seq: int):
+    """(stage 0's collective bytes per step, bytes its first forward program returns: outputs and
+    the residuals its backward reads)."""
+    from integrations.flax._pipeline import _Recorder
+
+    recipe = get_recipe("gpt-tiny")
+    state, batches, _, _, axes, layers = _reference("gpt-tiny", 5, 16, seq)
+    placed = shard(plan, state, param_axes=axes, layers=layers)
+    step = compile_step(plan, recipe.train_step, placed, param_axes=axes, layers=layers)
+    recorder = _Recorder(plan.microbatches)
+    step.observers.append(recorder)
+    placed, _ = step(placed, batches[0])
+    step.observers.remove(recorder)
+    _, _, forward, args = next(call for call in recorder.calls if call[0] == 0)
+    returned = forward.lower(*args).compile().memory_analysis().output_size_in_bytes
+    per_stage, _ = step.collective_bytes(placed, batches[1])
+    return per_stage[0], returned
+
+
+def test_a_pipeline_stage_runs_what_its_options_say():
+    """Sequence parallelism adds all-gathers to stage 0's programs; selective recompute shrinks
+    what its forward hands its backward (the core's values are rebuilt there)."""
+    plan = check_plan("2 stages (3+1) x 4 mb", global_batch=16)
+    plain_bytes, plain_returned = _first_stage(plan, 32)
+    sp_bytes, _ = _first_stage(_with(plan, sequence_parallel=True), 32)
+    _, selective_returned = _first_stage(_with(plan, selective_recompute=True), 32)
+    assert plain_bytes["all-gather"] == 0 and sp_bytes["all-gather"] > 0
+    assert selective_returned < plain_returned
+
+
+def test_a_pipeline_plan_with_fsdp_is_refused():
+    plan = _with(check_plan("2 stages (3+1) x 4 mb", global_batch=16), fsdp=True)
     recipe = get_recipe("gpt-tiny")
     state = recipe.abstract_state()
     with pytest.raises(ValueError, match="pipeline executor does not run"):
