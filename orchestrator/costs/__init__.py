@@ -5,10 +5,14 @@ from orchestrator.costs._context import (
     ContextParallelChoice,
     ContextParallelCost,
     Form,
+    ScanCarryCost,
     block_bytes,
     choose_context_parallel,
     context_parallel_cost,
     ring_permute_bytes,
+    scan_carry_bytes,
+    scan_carry_cost,
+    scan_state_bytes,
 )
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import Liveness, liveness, traffic_bytes
@@ -39,6 +43,7 @@ __all__ = [
     "Liveness",
     "LogicalAxisRules",
     "ParallelConfig",
+    "ScanCarryCost",
     "TensorParallelTraits",
     "all_gather_s",
     "all_reduce_s",
@@ -54,6 +59,9 @@ __all__ = [
     "param_role",
     "reduce_scatter_s",
     "ring_permute_bytes",
+    "scan_carry_bytes",
+    "scan_carry_cost",
+    "scan_state_bytes",
     "sharded_dim",
     "synced_gradient_bytes",
     "tensor_parallel_axes",

@@ -29,6 +29,14 @@ conductor's ring kernels take the chosen ``form`` as an argument.
 A block step's compute, from shapes: the forward does 4·B·H·(T/n)²·D·f FLOPs (f = ½ causal and
 balanced, 1 otherwise) and the backward 2.5× that (it recomputes the scores):
 :func:`choose_context_parallel` prices a layer given by shapes and a device's FLOP/s.
+
+A selective scan (Mamba) over a sequence split contiguously n ways passes its carry instead of
+K/V: each device's final state and total Δ, s = B·D·(N + 1)·4 bytes (fp32), in one all-gather
+forward and its transpose, a reduce-scatter, backward (``conductor.kernels.scan``'s
+sequence-sharded scan). Each sends (n − 1)·s, and the scan's outputs wait for the carry, so
+nothing hides it:
+
+    scan exposed  = 2·(n−1)·(α + s/β)          extra memory  n·s (the gathered states)
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from orchestrator.cluster import Link
+from orchestrator.costs._collectives import all_gather_s, reduce_scatter_s
 
 Form = Literal["ring", "all_gather"]
 BACKWARD_RATIO = 2.5  # a blockwise attention backward's FLOPs over its forward's (it recomputes the scores)
@@ -205,4 +214,61 @@ def choose_context_parallel(
         link=Link(bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s),
         step_overhead_s=step_overhead_s,
         memory_budget_bytes=memory_budget_bytes,
+    )
+
+
+# the formulas of conductor.kernels.scan.scan_state_bytes and scan_carry_bytes, which the cost model
+# may not import (the core does not depend on the conductor); tests check the two agree
+def scan_state_bytes(batch: int, d_inner: int, d_state: int, dtype_bytes: int = 4) -> int:
+    """Bytes of one device's carry message in a sequence-sharded scan: its final state and total Δ, B·D·(N + 1)·s."""
+    return batch * d_inner * (d_state + 1) * dtype_bytes
+
+
+def scan_carry_bytes(
+    batch: int, d_inner: int, d_state: int, n: int, dtype_bytes: int = 4, *, backward: bool = False
+) -> int:
+    """Bytes each device sends per sequence-sharded scan over ``n`` devices: (n − 1) messages forward
+    (a ring all-gather), as many again backward (its reduce-scatter).
+
+    Example:
+        >>> scan_carry_bytes(1, 1536, 16, 8, backward=True)
+        1462272
+    """
+    once = (n - 1) * scan_state_bytes(batch, d_inner, d_state, dtype_bytes)
+    return 2 * once if backward else once
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScanCarryCost:
+    """A sequence-sharded scan's carry exchange, per device (module docstring).
+
+    Attributes:
+      forward_s, backward_s: the all-gather and the reduce-scatter, exposed whole.
+      bytes_sent: forward + backward.
+      extra_memory_bytes: the n gathered messages.
+    """
+
+    forward_s: float
+    backward_s: float
+    bytes_sent: int
+    extra_memory_bytes: int
+
+
+def scan_carry_cost(*, batch: int, d_inner: int, d_state: int, n: int, link: Link) -> ScanCarryCost:
+    """The carry exchange of one selective scan of state (``batch``, ``d_inner``, ``d_state``) over ``n`` devices.
+
+    Example:
+        >>> from orchestrator.cluster import Link
+        >>> c = scan_carry_cost(batch=1, d_inner=1536, d_state=16, n=8, link=Link(bandwidth_bytes_per_s=2.5e10, latency_s=5e-6))
+        >>> c.bytes_sent
+        1462272
+    """
+    if n < 2:
+        raise ValueError(f"a sequence-sharded scan needs n >= 2 devices; got {n}")
+    message = scan_state_bytes(batch, d_inner, d_state)
+    return ScanCarryCost(
+        forward_s=all_gather_s(n * message, n, link),
+        backward_s=reduce_scatter_s(n * message, n, link),
+        bytes_sent=scan_carry_bytes(batch, d_inner, d_state, n, backward=True),
+        extra_memory_bytes=n * message,
     )

@@ -13,7 +13,9 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
                         too: the zigzag layout gives each device 1/n of the causal pairs), keeps m/n samples'
                         activations and sends m/n samples' output; attention layers pass K/V around the ring
                         and expose what the block computation does not hide (``_context``); the gathered
-                        or arriving K/V blocks add to the transient memory
+                        or arriving K/V blocks add to the transient memory; a layer with a sequential
+                        scan over the sequence (``scan_state``) passes its carry instead, all-gathered
+                        forward and reduce-scattered backward, exposed whole
     DP gradient sync  = AR(G, p)  or  RS(G, p) + AG(P, p)   with G = local gradient bytes, one per
                         contribution (a tied parameter read by two layers counts in both; a table read at
                         batch-independent rows only those rows, see ``_gradients``), P = parameters
@@ -49,7 +51,7 @@ from typing import Literal
 from orchestrator.cluster import Cluster, Link
 from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
-from orchestrator.costs._context import BACKWARD_RATIO, Form, context_parallel_cost
+from orchestrator.costs._context import BACKWARD_RATIO, Form, context_parallel_cost, scan_carry_cost
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, liveness, traffic_bytes
 from orchestrator.costs._recompute import AttentionCore, attention_core
@@ -578,7 +580,10 @@ class CostModel:
         tp_comm += coll.all_reduce_s(sp_grads, t, tp_link)
         ring = self._context_parallel(index, device_type, t, m, cp, cp_link or self.default_link(device_type))
         cp_fwd, cp_bwd = (ring.chosen.exposed_forward_s, ring.chosen.exposed_backward_s) if ring else (0.0, 0.0)
-        if config.recompute or selective:  # the rebuilt attention passes its K/V around again
+        carry = self._scan_carry(index, config.microbatch_size, cp, cp_link or self.default_link(device_type))
+        if carry:
+            cp_fwd, cp_bwd = cp_fwd + carry.forward_s, cp_bwd + carry.backward_s
+        if config.recompute or selective:  # the rebuilt attention passes its K/V around again, a scan its carry
             cp_bwd += cp_fwd
         params = self.local_param_bytes(index, t)
         # ZeRO and reduce-scatter sync full-size gradients, as accumulation does
@@ -597,6 +602,8 @@ class CostModel:
         kept, transient = self._memory(index, t, m, sp, selective)
         if ring:
             transient += ring.chosen.extra_memory_bytes
+        if carry:
+            transient += carry.extra_memory_bytes
         layer = self.layers[index]
         if config.recompute:
             transient += kept
@@ -630,7 +637,8 @@ class CostModel:
                 "weights_once_s": weights,
                 "cp_forward_s": cp_fwd,
                 "cp_backward_s": cp_bwd,
-                "cp_bytes": float(ring.chosen.bytes_sent) if ring else 0.0,
+                "cp_bytes": (float(ring.chosen.bytes_sent) if ring else 0.0)
+                + (float(carry.bytes_sent) if carry else 0.0),
             },
         )
 
@@ -646,6 +654,46 @@ class CostModel:
             for name in self.attention_core(index).starts
         ]
         return max(lengths, default=None)
+
+    def context_length(self) -> int | None:
+        """T, the sequence length context parallelism splits: the attention's (:meth:`attention_length`),
+        else the longest scan's (:meth:`scan_state`); None if the model has neither."""
+        lengths = [self.attention_length()] + [
+            state[0] for index in range(len(self.layers)) if (state := self.scan_state(index)) is not None
+        ]
+        return max((length for length in lengths if length is not None), default=None)
+
+    def scan_state(self, index: int) -> tuple[int, int, int] | None:
+        """(T, D, N) of the sequential scan over the sequence in layer ``index`` (a selective scan's
+        ``lax.scan`` over time, its state h of shape (B, D, N)), or None if it has none.
+
+        The state is the largest rank-3 output, batch first, of a forward op that runs more than once
+        per step (a loop body, ``Op.repeats``); T is that op's trip count.
+        """
+        index = self._representative(index)
+        return self._memo(self._graph_memo, ("scan", index), lambda: self._scan_state(index))
+
+    def _scan_state(self, index: int) -> tuple[int, int, int] | None:
+        states = [
+            (spec.size, op.repeats, spec.shape)
+            for op in map(self.graph.op, self.layers[index].ops)
+            if op.phase == "forward" and op.repeats > 1
+            for spec in op.outputs
+            if len(spec.shape) == 3 and spec.shape[0] == self.batch_size
+        ]
+        if not states:
+            return None
+        _, length, (_, d_inner, d_state) = max(states)
+        return length, d_inner, d_state
+
+    def _scan_carry(self, index: int, batch: int, cp: int, link: Link):
+        """The carry exchange of layer ``index``'s scan split over ``cp`` devices at ``batch`` samples per
+        device (each holds every sample's state); None without context parallelism or a scan."""
+        state = self.scan_state(index) if cp > 1 else None
+        if state is None:
+            return None
+        _, d_inner, d_state = state
+        return scan_carry_cost(batch=batch, d_inner=d_inner, d_state=d_state, n=cp, link=link)
 
     def kv_bytes(self, index: int, tp: int) -> tuple[float, int]:
         """(bytes, elements) of layer ``index``'s K and V over the whole captured batch and sequence,

@@ -109,9 +109,9 @@ def search_space(
         overlap_param_gather=overlap_param_gather,
         fsdp=fsdp,
     )
-    # context parallelism only where it is needed, and never on a stand-in cost model without attention
-    attention_length = getattr(model, "attention_length", lambda: None)
-    if (length := attention_length()) is not None:
+    # context parallelism only where it is needed, and never on a stand-in cost model without a sequence to split
+    context_length = getattr(model, "context_length", lambda: None)
+    if (length := context_length()) is not None:
         needed = table.needs_context_parallel(groups)
         groups += context_parallel_configs(
             infos, seq_len=length, device_types=needed, global_batch=global_batch, recompute=recompute
