@@ -141,17 +141,22 @@ class Mixer(nn.Module):
         dt, b, c = jnp.split(dbc, [r, r + n], axis=-1)
         delta = nn.softplus(nn.Dense(di, dtype=cfg.dtype, name="dt_proj")(dt))  # (batch, seq, d_inner)
         a = -jnp.exp(self.param("A_log", _a_log_init(n), (di, n)))
-        if self.scan is not None:
-            y = self.scan(delta, a, delta * x, b, c)
-        elif self.sequence_axis is not None:
-            raise ValueError("a sequence-sharded Mamba needs a scan that passes the state between devices")
-        else:
-            delta_a = jnp.exp(delta[..., None] * a)  # (batch, seq, d_inner, d_state)
-            delta_bx = (delta * x)[..., None] * b[:, :, None, :]
-            y = selective_scan(delta_a, delta_bx, c)
+        y = self.core_scan(delta, a, delta * x, b, c)
         y = y + x * self.param("D", nn.initializers.ones, (di,))
         y = y * nn.silu(z)
         return nn.Dense(cfg.d_model, use_bias=False, dtype=cfg.dtype, name="out_proj")(y)
+
+    def core_scan(self, delta, a, v, b, c):
+        """The selective scan, y = scan(Δ, A, Δ ⊙ x, B, C) (see ``Mamba.scan``): a method of its own so
+        that an executor can replace it (``integrations.flax``'s context-parallel step runs it
+        sharded along the sequence)."""
+        if self.scan is not None:
+            return self.scan(delta, a, v, b, c)
+        if self.sequence_axis is not None:
+            raise ValueError("a sequence-sharded Mamba needs a scan that passes the state between devices")
+        delta_a = jnp.exp(delta[..., None] * a)  # (batch, seq, d_inner, d_state)
+        delta_bx = v[..., None] * b[:, :, None, :]
+        return selective_scan(delta_a, delta_bx, c)
 
 
 class MambaBlock(nn.Module):

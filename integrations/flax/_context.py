@@ -20,6 +20,18 @@ while the step is traced:
                      ``jax.shard_map`` over the two axes, K/V blocks passed around the ring while
                      each block computes.
 
+A model with a selective scan (``recipes.mamba.Mixer``) keeps each sequence contiguous instead: the
+scan's recurrence runs in token order, and a scan has no causal imbalance to even out. Its method
+
+    core scan        ``core_scan(Δ, A, Δ ⊙ x, B, C)`` with (batch, seq, ·) arrays runs as the
+                     sequence-sharded scan (``conductor.kernels.scan.sequence_sharded_scan_shard``)
+                     under ``jax.shard_map`` over the two axes: each device scans its slice, one
+                     all-gather passes the carry (the earlier slices' final states) forward, its
+                     transpose passes the carry's gradient back;
+
+the causal convolution before it reads the previous slice's last tokens through XLA's SPMD
+partitioner (a halo exchange), as any shifted read along a sharded axis.
+
 The form (ring or all-gather) is the cost model's choice (``orchestrator.costs.context_parallel_cost``,
 recorded in a plan as ``Stage.cp_form``), passed in as ``form``.
 
@@ -42,10 +54,11 @@ from jax.sharding import PartitionSpec as P
 
 from conductor.kernels import AttentionBlockSizes
 from conductor.kernels.ring import Form, Layout, layout_positions, ring_attention, to_layout
+from conductor.kernels.scan import ScanBlockSizes, sequence_sharded_scan
 from orchestrator.cluster import ring_order
 
 DATA, CONTEXT = "data", "context"
-CORE_ATTENTION, POSITIONS = "core_attention", "positions"
+CORE_ATTENTION, POSITIONS, CORE_SCAN = "core_attention", "positions", "core_scan"
 
 
 def context_mesh(devices: Sequence, *, context_parallel: int) -> Mesh:
@@ -105,6 +118,7 @@ def context_parallel_step(
     layout: Layout = "zigzag",
     causal: bool = True,
     block_sizes: AttentionBlockSizes | None = None,
+    scan_block_sizes: ScanBlockSizes | None = None,
 ) -> Callable:
     """``train_step`` jitted to run on sequences split over ``mesh``'s ``"context"`` axis.
 
@@ -116,6 +130,9 @@ def context_parallel_step(
       layout: how each sequence is stored; the batch must be in it (:func:`context_batch`).
       causal: whether ``core_attention`` masks later keys.
       block_sizes: tile lengths inside each chunk (default: the kernels' own, capped at the chunk).
+      scan_block_sizes: the sequence-sharded scan's chunk (divides each device's slice; default:
+        the kernel's own, capped at the slice). A model with a ``core_scan`` needs ``layout="contiguous"``
+        (:func:`model_layout`).
     Returns:
       ``step(state, batch) -> (state, metrics)`` for a :func:`replicate`-d state and a
       :func:`context_batch`-placed batch.
@@ -142,6 +159,12 @@ def context_parallel_step(
                 form=form,
                 block_sizes=block_sizes,
             )
+        if context.method_name == CORE_SCAN:
+            if layout != "contiguous":
+                raise ValueError(f"a scan runs on contiguous slices of the sequence; got layout={layout!r}")
+            return sequence_sharded_scan(
+                *args, mesh=mesh, axis_name=CONTEXT, batch_axis=DATA, block_sizes=scan_block_sizes
+            )
         return next_fun(*args, **kwargs)
 
     def step(state, batch):
@@ -149,6 +172,20 @@ def context_parallel_step(
             return train_step(state, batch)
 
     return jax.jit(step, donate_argnums=(0,))
+
+
+def model_layout(train_step: Callable, state, batch) -> Layout:
+    """``"contiguous"`` if ``train_step``'s model has a ``core_scan`` (its recurrence runs in token
+    order), else ``"zigzag"`` (which balances causal attention); read from one abstract trace."""
+    methods = set()
+
+    def record(next_fun, args, kwargs, context):
+        methods.add(context.method_name)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(train_step, state, batch)
+    return "contiguous" if CORE_SCAN in methods else "zigzag"
 
 
 def place_state(plan, state, *, cluster=None):
@@ -182,14 +219,23 @@ class ContextParallelStep:
             raise ValueError("the context-parallel step runs a plan of one stage with cp > 1")
         if plan.stages[0].fsdp:
             raise ValueError("the context-parallel step keeps the parameters whole: plan it without fsdp")
-        self.plan = plan
+        self.plan, self.train_step = plan, train_step
         self.mesh = stage_context_mesh(plan.stages[0], device_map(cluster), cluster)
-        form = form or plan.stages[0].cp_form or "ring"
-        self.fn = context_parallel_step(train_step, self.mesh, form=form)
+        self.form = form or plan.stages[0].cp_form or "ring"
+        self.layout: Layout | None = None  # the model's (:func:`model_layout`), read at the first batch
+        self.fn: Callable | None = None
 
     def place(self, state):
         """``state`` replicated over the stage's devices (a copy: the step donates it)."""
         return replicate(state, self.mesh)
 
+    def compile_for(self, state, batch) -> Callable:
+        """The jitted step for batches like ``batch`` (natural order), built once: the layout follows the model."""
+        if self.fn is None:
+            self.layout = model_layout(self.train_step, state, batch)
+            self.fn = context_parallel_step(self.train_step, self.mesh, form=self.form, layout=self.layout)
+        return self.fn
+
     def __call__(self, state, batch):
-        return self.fn(state, context_batch(batch, self.mesh))
+        fn = self.compile_for(state, batch)
+        return fn(state, context_batch(batch, self.mesh, layout=self.layout))

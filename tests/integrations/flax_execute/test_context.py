@@ -78,7 +78,9 @@ def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
         alone, metrics = one_device(alone, batch)
         reference.append(float(metrics["loss"]))
 
-    lowered = step.fn.lower(state, context_batch(batches[0], step.mesh)).as_text()
+    fn = step.compile_for(state, batches[0])
+    assert step.layout == "zigzag"  # causal attention, balanced
+    lowered = fn.lower(state, context_batch(batches[0], step.mesh)).as_text()
     assert "collective_permute" in lowered  # K/V blocks travel around the ring
     losses = []
     for batch in batches:
