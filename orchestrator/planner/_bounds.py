@@ -30,7 +30,17 @@ from orchestrator.solver import highs_available, work
 log = logging.getLogger(__name__)
 
 
-def packing_bounds(scope: Scope, best: Best, candidates, *, deadline: float) -> dict[int, float]:
+def packing_bounds(
+    scope: Scope,
+    best: Best,
+    candidates,
+    *,
+    deadline: float,
+    known: dict[int, float] | None = None,
+    probe: bool = False,
+    ordered: bool = False,
+    searches: dict | None = None,
+) -> dict[int, float]:
     """{M: packing bound (s)}, never below the capacity bound: +inf where no plan of that M fits, the
     cutoff where none is ``gap`` better than the incumbent; for ``candidates`` (some of the scope's).
 
@@ -38,25 +48,33 @@ def packing_bounds(scope: Scope, best: Best, candidates, *, deadline: float) -> 
     hardest the bound is cheapest), each with an equal share of the time left; then what is left
     refines the weakest M, which is the one the certified bound reads, to the packing search's own
     tolerance: one pass to full precision spends the time on M whose bounds the certificate never
-    reads and leaves the last M short. A search stopped by its share keeps the bound it reached."""
+    reads and leaves the last M short. A search stopped by its share keeps the bound it reached.
+
+    With ``probe``, only each M's first LP (the bottleneck at the cutoff over M), which alone closes
+    an M that cannot beat the incumbent, and no refining. ``known``: bounds of an earlier pass, which
+    the searches start from; ``ordered``: the first pass takes ``candidates`` in the order given;
+    ``searches``: each M's packing LPs, kept from one call to the next."""
     space, max_stages, options = scope.space, scope.max_stages, scope.options
     incumbent, cutoff_s = best.current, best.cutoff_s(scope.gap)
-    found, searches = {}, {}
-    for index, M in enumerate(sorted(candidates)):
+    found = {}
+    searches = {} if searches is None else searches
+    for index, M in enumerate(candidates if ordered else sorted(candidates)):
         groups = undominated(
             [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
         )
-        simple = simple_bound_s(space.runs, groups, space.table, space.infos, M)
+        simple = max(simple_bound_s(space.runs, groups, space.table, space.infos, M), (known or {}).get(M, 0.0))
         if not groups or work.now() >= deadline or not highs_available():  # (the LP needs highspy)
             found[M] = simple
             continue
-        searches[M] = PackingBound(space, groups, microbatches=M, max_stages=max_stages, schedule=best.schedule)
+        if M not in searches:
+            searches[M] = PackingBound(space, groups, microbatches=M, max_stages=max_stages, schedule=best.schedule)
         share = work.now() + (deadline - work.now()) / (len(candidates) - index)
-        found[M] = _packing_search(searches[M], simple, cutoff_s, incumbent, share, options.coarse)
+        tolerance = math.inf if probe else options.coarse
+        found[M] = _packing_search(searches[M], simple, cutoff_s, incumbent, share, tolerance)
         log.debug("M=%d: packing bound %.6g s (capacity %.6g s)", M, found[M], simple)
     refined: set[int] = set()
-    while work.now() < deadline:
-        open_bounds = [M for M in searches if M not in refined and found[M] < cutoff_s]
+    while not probe and work.now() < deadline:
+        open_bounds = [M for M in found if M in searches and M not in refined and found[M] < cutoff_s]
         if not open_bounds:
             break
         M = min(open_bounds, key=found.get)
@@ -80,7 +98,7 @@ def _packing_search(
     return bound
 
 
-def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dict[int, float]]:
+def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float) -> dict[int, dict[int, float]]:
     """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff, which
     closes the piece: the first LP of every (M, S), the incumbent's M and its neighbours first (a
     piece that cannot beat the incumbent closes there), then the bisection of every piece left open,
@@ -93,14 +111,9 @@ def column_bounds(scope: Scope, best: Best, *, deadline: float) -> dict[int, dic
     A better incumbent lowers the cutoff for the MIPs running and still to run, and a MIP stopped by
     its time limit runs again, with at least ``options.retry_growth`` times its last limit, while
     time is left. Solves ``deadline`` stops leave their (M, S) out (first LP) or at its first LP's bound
-    (bisection) or at the LP's bound (MIP)."""
-    space, candidates, max_stages, gap, options = (
-        scope.space,
-        scope.candidates,
-        scope.max_stages,
-        scope.gap,
-        scope.options,
-    )
+    (bisection) or at the LP's bound (MIP). Over ``candidates`` (default: the scope's)."""
+    space, max_stages, gap, options = scope.space, scope.max_stages, scope.gap, scope.options
+    candidates = scope.candidates if candidates is None else candidates
     found: dict[int, dict[int, float]] = {M: {} for M in candidates}
     if not highs_available():
         return found

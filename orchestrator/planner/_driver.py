@@ -8,10 +8,11 @@ once (``_workers``). The search runs in three steps, each in its share of the ti
 
 1. **A first incumbent** (``_starts``): the balanced heuristic, the baselines and the best
    one-stage plan, improved by a local search (``_polish``).
-2. **Bounds** (``_bounds``): every (M, S) piece gets a bound from whole stages as columns (an LP,
-   then a MIP where the LP leaves it open; every plan a MIP finds may become the incumbent), which
-   closes most pieces before any ILP is built; every M not bounded for every S gets its packing
-   bound, which drops the M that cannot beat the incumbent.
+2. **Bounds** (``_bounds``): every M gets its first packing LP, the M farthest from the
+   incumbent's first, which drops the M that cannot beat the incumbent for one LP each; every
+   (M, S) piece of the others gets a bound from whole stages as columns (an LP, then a MIP where
+   the LP leaves it open; every plan a MIP finds may become the incumbent), which closes most
+   pieces before any ILP is built; every M not bounded for every S has its packing bound refined.
 3. **Pieces** (``_models``, ``_solve``): every other M's model is built and cut into pieces;
    a first pass gives each piece (fewest stages first) a short, presolve-free solve, and most
    prove at once that they cannot beat the incumbent; rounds over the pieces still open, weakest
@@ -30,6 +31,7 @@ there too; the search then stops with the incumbent it has, whose gap is unknown
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -261,13 +263,38 @@ def _search(
         time_limit_s=time_limit_s,
     )
     report("bounds")
-    columns = column_bounds(scope, best, deadline=work.now() + options.column_share * left())
-    # an M with a column bound for every S needs no packing bound: the least of them bounds it, and it
+    # every M's first packing LP, the M farthest from the incumbent's first: one LP per M (where its
+    # columns take at least one per stage count) closes the M that cannot beat the incumbent, most of
+    # the few- and many-microbatch counts, before any of their columns is priced
+    home = best.current.microbatches if best.current is not None else max(candidates, default=1)
+    searches: dict = {}  # (each M's packing LPs, loaded once for both passes)
+    coarse = packing_bounds(
+        scope,
+        best,
+        sorted(candidates, key=lambda M: (-abs(math.log2(M / home)), M)),
+        deadline=work.now() + options.first_packing_share * left(),
+        probe=True,
+        ordered=True,
+        searches=searches,
+    )
+    near = [M for M in candidates if coarse[M] < best.cutoff_s(scope.gap)]
+    columns = column_bounds(scope, best, near, deadline=work.now() + options.column_share * left())
+    # an M with a column bound for every S needs no more packing: the least of them bounds it, and it
     # is at least as tight (each column LP is the packing LP restricted to whole stages, one per position)
     complete = {M: min(b.values()) for M, b in columns.items() if len(b) == max_stages}
-    open_counts = [M for M in candidates if M not in complete]
-    packing = packing_bounds(scope, best, open_counts, deadline=work.now() + options.packing_share * left())
-    packing.update(complete)
+    open_counts = [M for M in near if M not in complete and coarse[M] < best.cutoff_s(scope.gap)]
+    packing = dict(coarse)
+    packing.update(
+        packing_bounds(
+            scope,
+            best,
+            open_counts,
+            deadline=work.now() + options.packing_share * left(),
+            known=coarse,
+            searches=searches,
+        )
+    )
+    packing.update({M: max(bound, packing.get(M, 0.0)) for M, bound in complete.items()})
     report("models")
     pieces = build_pieces(
         scope,

@@ -34,6 +34,11 @@ class SearchOptions:
     """The local search ends by this fraction of the time limit, so the bounds that certify the gap
     always get the other half."""
 
+    first_packing_share: float = 0.5
+    """Every M's first packing LP (``_packing``) gets at most this share of the time left after the
+    local search, before the whole-stage bounds: it closes the microbatch counts that cannot beat the
+    incumbent for one LP each, where their whole-stage LPs take at least one per stage count."""
+
     column_share: float = 0.95
     """The whole-stage bounds (``_paths``) get this share of the time left after the local search:
     their MIPs close most pieces, and the ILP's pieces seldom close in what is left where they do not."""

@@ -169,3 +169,30 @@ def test_a_price_dominated_column_never_prices_a_plan_lower_than_its_dominator()
                                 )
                                 swaps += 1
     assert swaps >= 100, swaps
+
+
+def test_the_first_lp_alone_bounds_each_piece_and_its_bisection_gives_the_whole_bound():
+    """``first_bound_s``: its first LP is a bound (at most the bisection's, never above the best plan);
+    it closes a piece exactly where the whole bound does; and the bisection it hands back is the
+    whole bound."""
+    checked = closed = tightened = 0
+    for seed in range(8):
+        space = search_space(random_instance(seed), BATCH, recompute=True)
+        for M in (1, 4):
+            for S in range(1, min(3, space.layers) + 1):
+                truth = _best_of_exactly(space, M, S, "1f1b")
+                if truth is None:
+                    continue
+                for cutoff in (truth * 1.001, truth * 0.98):
+                    first, refine = _columns(space, M, "1f1b").first_bound_s(S, cutoff_s=cutoff)
+                    whole = _columns(space, M, "1f1b").bound_s(S, cutoff_s=cutoff)
+                    assert first <= truth * (1 + 1e-6) or first == cutoff
+                    if refine is None:  # closed by the first LP: the whole bound closes it too
+                        assert first == cutoff and whole == cutoff
+                        closed += 1
+                        continue
+                    assert first < cutoff and first <= whole * (1 + 1e-9)
+                    assert refine() == pytest.approx(whole, rel=1e-9)
+                    tightened += refine() > first * (1 + 1e-6)
+                    checked += 1
+    assert checked >= 10 and closed >= 5 and tightened >= 1, (checked, closed, tightened)
