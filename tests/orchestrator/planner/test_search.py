@@ -36,3 +36,41 @@ def test_options_are_frozen_keyword_only_and_offer_mixed_groups_by_host_count():
     assert options.offers_mixed(cluster, None) and not SearchOptions(mixed_hosts=1).offers_mixed(cluster, None)
     assert options.offers_mixed(cluster, False) is False and SearchOptions(mixed_hosts=1).offers_mixed(cluster, True)
     assert options.mip_options() == {"presolve": "off"} and SearchOptions(first_pass_presolve=True).mip_options() == {}
+
+
+def test_microbatch_counts_closed_by_their_first_packing_lp_get_no_whole_stage_lps(monkeypatch):
+    """The first packing LP of every M runs before any whole-stage LP; the M it closes (bound at the
+    cutoff) are left out of the whole-stage bounds, and the certified bound still holds."""
+    from orchestrator.bench._synthetic import random_instance
+    from orchestrator.planner import PlanInfeasible, _driver, plan
+    from orchestrator.planner.baselines import exhaustive_plan
+
+    real_packing, real_columns = _driver.packing_bounds, _driver.column_bounds
+    seen = {}
+
+    def packing(scope, best, candidates, **options):
+        found = real_packing(scope, best, candidates, **options)
+        if options.get("probe"):
+            seen["probe"] = dict(found), best.cutoff_s(scope.gap)
+        return found
+
+    def columns(scope, best, candidates=None, **options):
+        seen["columns"] = list(candidates)
+        return real_columns(scope, best, candidates, **options)
+
+    monkeypatch.setattr(_driver, "packing_bounds", packing)
+    monkeypatch.setattr(_driver, "column_bounds", columns)
+    closing = 0
+    for seed in range(8):
+        model = random_instance(seed)
+        settings = {"global_batch": 8, "microbatch_candidates": (1, 2, 4, 8), "max_stages": 3}
+        try:
+            found = plan(model, gap=1e-2, time_limit_s=10, **settings)
+        except PlanInfeasible:
+            continue
+        probe, cutoff = seen["probe"]
+        closed = {M for M, bound in probe.items() if bound >= cutoff}
+        assert not closed & set(seen["columns"])
+        closing += bool(closed)
+        assert found.bound <= exhaustive_plan(model, **settings).iteration_s * (1 + 1e-9)
+    assert closing >= 2, closing
