@@ -1,34 +1,34 @@
-"""Run a one-stage plan's sequence parallelism and selective recompute inside its one SPMD program.
+"""Run a stage's sequence parallelism and selective recompute: in a one-stage plan's one SPMD
+program (``rewrite_step``) and in a pipeline stage's programs (``stage_function``).
 
-Both rewrite the user's step as traced at the batch's shape: the step is flattened, each flat
-equation tied to the captured ops it produced (:class:`~integrations.flax.SlicedStep`), and
-evaluated equation by equation inside the ``jax.jit`` that runs the plan. Which ops each option
-touches is what the cost model prices, read from a :class:`~orchestrator.costs.CostModel` of the
-same trace, so the executor and the prices agree on one definition:
+Both evaluate the user's step as traced — flattened, each flat equation tied to the captured ops
+it produced (:class:`~integrations.flax.SlicedStep`) — equation by equation inside the ``jax.jit``
+that runs the plan. Which ops each option touches is what the cost model prices, read from a
+:class:`~orchestrator.costs.CostModel` of the same trace, so the executor and the prices agree:
 
-* **sequence parallelism** (``Stage.sequence_parallel``, tp > 1): the output of every op in
-  ``CostModel.sequence_split_ops(tp)`` — the batch work tensor parallelism leaves whole
-  (LayerNorms, residual adds, the embedding's output) — is constrained to ``P("data", "model")``:
-  batch (dim 0) over the data axis, sequence (dim 1) over the tensor axis; and where a matmul
-  combines such a value with a tensor-split one (a split parameter or a value split over heads
-  or the MLP dim), that operand is constrained whole over ``"model"`` at that use: the
-  all-gather into a tensor-parallel region, forward (``x·W_col``, the head) and backward
-  (``dy·W_rowᵀ``, the weight gradients). XLA's partitioner then turns each tensor-parallel
-  all-reduce into a reduce-scatter onto the sequence shards (on XLA:CPU, an all-reduce sliced to
-  the shard: the same operand bytes) and an all-gather back (Korthikanti et al., 2022), where
-  left to itself it would rather keep the sequence split inside the region and reshard with
-  all-to-alls. A value is taken to be (batch, sequence, ...) when its dim 0 is the batch's and its dim 1 the
-  sequence length; one whose sequence the tensor degree does not divide is left unconstrained.
-* **selective recompute** (``Stage.selective_recompute``): the backward reads the values of
-  each layer's core attention (``CostModel.attention_core``: ``Q·Kᵀ`` through ``P·V``) not from
-  the forward but from a copy of the core's equations evaluated again at the first backward
-  equation that reads one of them. The copy's inputs pass through ``lax.optimization_barrier``
-  together with that equation's other operands, as ``jax.checkpoint`` does, so XLA neither
-  merges the copy with the forward (CSE) nor runs it before the backward gets there: the
-  forward's core values die inside the forward.
+* **sequence parallelism** (``Stage.sequence_parallel``, tp > 1), Megatron-LM's (Korthikanti et
+  al., 2022): float (batch, sequence, ...) outputs of ``CostModel.sequence_split_ops(tp)`` — the
+  work tensor parallelism leaves whole: LayerNorms, residual adds — are constrained to
+  ``P("data", "model")``; values inside a tensor-parallel region keep the sequence whole and
+  split their first dim tp divides (heads, the MLP's hidden, the vocabulary); outputs of
+  all-reduced ops, per-token values every reader takes whole and token ids stay whole; and a
+  sequence-split operand is taken whole where it meets a tensor-split one (``x·W_col``, the
+  head, ``dy·W_rowᵀ``, weight gradients) or an embedding's backward scatters it. XLA's
+  partitioner then turns each tensor-parallel all-reduce into a reduce-scatter onto the sequence
+  shards (on XLA:CPU an all-reduce sliced to the shard: the same operand bytes) and an all-gather
+  of 1/tp of it, where left to itself it would keep the sequence split inside the regions and
+  reshard with all-to-alls. A value is (batch, sequence, ...) when its dim 0 is the batch's and
+  its dim 1 the sequence length; a sequence the tensor degree does not divide stays whole.
+* **selective recompute** (``Stage.selective_recompute``): in one program, the backward reads the
+  values of each layer's core attention (``CostModel.attention_core``: ``Q·Kᵀ`` through ``P·V``)
+  from a copy of the core's equations evaluated at the first backward equation that reads one of
+  them; the copy's inputs pass through ``lax.optimization_barrier`` with that equation's operands
+  and take a ``+ 0·loss`` (XLA:CPU drops barriers before CSE, and a float ``0·x`` is not folded),
+  so the forward's core values die inside the forward. In a pipeline stage the core runs under
+  ``jax.checkpoint``: the stage's backward is its own program, with nothing for XLA to merge.
 
-Everything else runs as the user wrote it; numerics are the same equations, so training
-matches the plain step up to summation order.
+Everything else runs as the user wrote it; the equations are the same, so training matches the
+plain step up to summation order.
 """
 
 from __future__ import annotations
