@@ -114,6 +114,11 @@ def compile_step(
             f"stage {mixed[0]} of the plan spans two device types with uneven batch shares, which one SPMD "
             "program cannot run: plan with mixed_stages=False to execute it"
         )
+    if plan.virtual_stages > 1:
+        raise ValueError(
+            f"the plan interleaves {plan.virtual_stages} virtual stages per stage, which the pipeline executor does "
+            "not run: plan with virtual_stages=False (the default) to execute it"
+        )
     sharded = [s for s, stage in enumerate(plan.stages) if stage.fsdp]
     if len(plan.stages) > 1 and sharded:
         raise ValueError(

@@ -325,7 +325,11 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
 
     try:
         found = plan(
-            model, global_batch=run.global_batch, time_limit_s=time_limit_s, zero=bool(run.parallel.get("zero"))
+            model,
+            global_batch=run.global_batch,
+            time_limit_s=time_limit_s,
+            zero=bool(run.parallel.get("zero")),
+            virtual_stages=True,  # published runs interleave, so the planner may too
         )
     except (PlanInfeasible, PlanNotFound) as err:
         return {"planned_s": None, "plan_error": str(err).splitlines()[0]}
@@ -334,5 +338,5 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
         "planned_s": found.iteration_s,
         "planned_gap": found.gap,
         "planned": f"{len(stages)} stages, TP {'/'.join(str(s.tp) for s in stages)}, "
-        f"DP {'/'.join(str(s.dp) for s in stages)}, M {found.microbatches}",
+        f"DP {'/'.join(str(s.dp) for s in stages)}, M {found.microbatches}, v {found.virtual_stages}",
     }

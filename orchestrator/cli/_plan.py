@@ -76,6 +76,13 @@ def plan_command(
             "(default: the planner's MEMORY_HEADROOM, 10).",
         ),
     ] = None,
+    virtual_stages: Annotated[
+        bool,
+        typer.Option(
+            help="Also try interleaved 1F1B (virtual stages) on the plan found and keep the fastest; the executors "
+            "run plain 1F1B, so train refuses such a plan.",
+        ),
+    ] = False,
     output: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
     trace: Annotated[
         str | None, typer.Option("--trace", help="Simulate the plan and write a Perfetto trace (JSON) here.")
@@ -109,6 +116,7 @@ def plan_command(
                 max_stages=max_stages,
                 zero=zero,
                 memory_headroom=headroom,
+                virtual_stages=virtual_stages,
                 deadline=deadline,
                 progress=show_search(shown),
             )

@@ -74,6 +74,7 @@ def plan(
     zero: bool = False,
     mixed_stages: bool | None = None,
     memory_headroom: float = MEMORY_HEADROOM,
+    virtual_stages: bool = False,
     options: SearchOptions | None = None,
     deadline: Deadline | None = None,
     progress: Observer | None = None,
@@ -119,6 +120,9 @@ def plan(
         cannot give replicas uneven shares: plan with False to execute.
       memory_headroom: the share of each device's memory a plan leaves free (``MEMORY_HEADROOM``,
         10%): a stage may fill capacity × (1 − memory_headroom) per device.
+      virtual_stages: also price the plan found under interleaved 1F1B with v > 1 model chunks
+        per stage and keep the fastest (``_make_plan``; its gap covers plain schedules). Off by
+        default: the executors run plain 1F1B, and ``compile_step`` refuses v > 1.
       options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
       deadline: when given, the wall-clock cap of the call (a :class:`Deadline` that started
         earlier, e.g. with a command that captured the model first; the work budget is then at
@@ -222,6 +226,7 @@ def plan(
         prefer_devices=prefer_devices,
         objective=found.score,
         covered=space.coverage(candidates, max_stages),
+        interleave=virtual_stages,
     )
     report("done", bound_s=result.bound)
     return result

@@ -246,6 +246,7 @@ def replan(
     certify: bool = True,
     mixed_stages: bool | None = None,
     memory_headroom: float | None = None,
+    virtual_stages: bool | None = None,
 ) -> Plan:
     """A new plan for ``model`` (a changed cluster or changed costs), reusing ``previous``.
 
@@ -263,13 +264,16 @@ def replan(
     before and after. ``mixed_stages`` as for :func:`plan` (the executor's callers pass False).
     ``memory_headroom`` as for :func:`plan`; None keeps the previous plan's (the one its
     ``source`` records, else ``MEMORY_HEADROOM``), so a re-plan fills devices no fuller than the
-    plan it replaces.
+    plan it replaces. ``virtual_stages`` as for :func:`plan`; None: as the previous plan (on
+    when it interleaves).
 
     Raises:
       PlanInfeasible, PlanNotFound: as :func:`plan`, when neither the repair nor the full
         search finds a plan.
     """
     mixed_stages = SearchOptions().offers_mixed(model.cluster, mixed_stages)
+    if virtual_stages is None:
+        virtual_stages = previous.virtual_stages > 1
     if memory_headroom is None:
         memory_headroom = previous.source.get("memory_headroom", MEMORY_HEADROOM)
     started = time.perf_counter()
@@ -283,6 +287,7 @@ def replan(
         "zero": any(stage.zero for stage in previous.stages),  # the new plan trains as the old one did
         "mixed_stages": mixed_stages,
         "memory_headroom": memory_headroom,
+        "virtual_stages": virtual_stages,
     }
     key = fingerprint(
         model,
@@ -323,7 +328,7 @@ def replan(
         return make_plan(
             model, space, ev, stages, chosen, M,
             schedule=previous.schedule, global_batch=settings["global_batch"], bound=bound, gap=gap,
-            started=started, prefer_devices=mine, objective=ev.iteration_s + moved,
+            started=started, prefer_devices=mine, objective=ev.iteration_s + moved, interleave=virtual_stages,
         )  # fmt: skip
 
     lost = _lost(previous, model)

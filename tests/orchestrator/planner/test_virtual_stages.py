@@ -116,3 +116,34 @@ def test_coverage_of_older_plans_holds_plain_schedules():
     assert covered.virtual_stages == (1,)
     assert covered.contains(microbatches=4, stages=[("a", 1, 1, False)] * 2)
     assert not covered.contains(microbatches=4, stages=[("a", 1, 1, False)] * 2, virtual_stages=2)
+
+
+def test_plan_interleaves_only_when_asked_and_the_executor_refuses_an_interleaved_plan(monkeypatch):
+    """The executors run plain 1F1B: plan() tries virtual stages only with virtual_stages=True, and
+    compile_step refuses a plan that interleaves, in one line."""
+    import orchestrator.planner._driver as driver
+    from integrations.flax import compile_step
+    from orchestrator.planner import plan
+
+    model = _narrow_model()
+    asked = []
+
+    def spy(*args, interleave=True, **kwargs):
+        asked.append(interleave)
+        return make_plan(*args, interleave=interleave, **kwargs)
+
+    monkeypatch.setattr(driver, "make_plan", spy)
+    assert plan(model, global_batch=8, time_limit_s=5).virtual_stages == 1
+    plan(model, global_batch=8, time_limit_s=5, virtual_stages=True)
+    assert asked == [False, True]
+
+    space = search_space(model, 8, recompute=False, mixed=False)
+    groups = [GroupConfig(device_type="a", size=1, tp=1, recompute=False)] * 4
+    plain = evaluate(STAGES, groups, 4, table=space.table, infos=space.infos, schedule="1f1b", links=space.links)
+    found = make_plan(
+        model, space, plain, STAGES, groups, 4, schedule="1f1b", global_batch=8, bound=0.0, gap=0.01,
+        started=time.perf_counter(),
+    )  # fmt: skip
+    assert found.virtual_stages == 2
+    with pytest.raises(ValueError, match="virtual stages per stage, which the pipeline executor does not run"):
+        compile_step(found, lambda state, batch: (state, {}), {})
