@@ -128,10 +128,21 @@ class Coverage:
 
     @classmethod
     def from_json(cls, data: dict) -> Coverage:
+        """The space a plan file records; ValueError names a field that no search could have written."""
+        for m in data["microbatches"]:
+            _count(m, "microbatches")
+        _count(data["max_stages"], "max_stages")
+        for v in data.get("virtual_stages", (1,)):
+            _count(v, "virtual_stages")
+        for group in data["groups"]:
+            if not 4 <= len(group) <= 5 or not isinstance(group[0], str) or not isinstance(group[3], bool):
+                raise ValueError(f"groups: {group!r} is not [device type, devices, tp, recompute(, cp)]")
+            for number in group[1:3] + group[4:]:
+                _count(number, "groups")
         return cls(
             microbatches=tuple(data["microbatches"]),
             max_stages=data["max_stages"],
-            groups=tuple((kind, size, tp, bool(rc), *cp) for kind, size, tp, rc, *cp in data["groups"]),
+            groups=tuple((kind, size, tp, rc, *cp) for kind, size, tp, rc, *cp in data["groups"]),
             virtual_stages=tuple(data.get("virtual_stages", (1,))),
         )
 

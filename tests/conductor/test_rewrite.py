@@ -50,7 +50,10 @@ def test_policy_forbids_and_excludes_scopes():
         tokens,
         policy=conductor.Policy(attention="force", exclude_scopes=("*/blocks_0/*",)),
     )
-    assert [(m.scope, d.rewrite) for m, d in excluded] == [("GPT/blocks_0/attn", False), ("GPT/blocks_1/attn", True)]
+    assert [(m.scope, d.rewrite) for m, d in excluded] == [
+        ("GPT/blocks_0/attn/attn.core_attention", False),
+        ("GPT/blocks_1/attn/attn.core_attention", True),
+    ]
     forbidden = conductor.inspect(
         state.apply_fn, {"params": state.params}, tokens, policy=conductor.Policy(attention="forbid")
     )
@@ -141,7 +144,7 @@ def test_inspect_of_a_train_step_reports_what_each_rewrite_replaces():
     state, batch = r.abstract_state(), r.batch_spec(2, 256)
     found = conductor.inspect(train_step, state, batch)  # the model's scans, as optimize(train_step) rewrites them
     assert [(m.pattern, m.scope, d.rewrite) for m, d in found] == [
-        ("selective_scan", f"Mamba/layers_{i}/mixer", True) for i in range(r.config.num_layers)
+        ("selective_scan", f"Mamba/layers_{i}/mixer/mixer.core_scan", True) for i in range(r.config.num_layers)
     ]
     b, t, di, n = 2, 256, r.config.d_inner, r.config.d_state
     for _, decision in found:  # the (B, T, D, N) discretisation and the scan over time are what goes

@@ -92,7 +92,7 @@ def test_the_plan_takes_the_fastest_virtual_stages_and_its_bound_covers_plain_sc
     assert abs(rel) <= 0.10
 
 
-def test_a_plan_file_with_impossible_virtual_stages_is_refused_in_one_line():
+def test_a_plan_file_with_impossible_virtual_stages_or_space_is_refused_in_one_line():
     model = _narrow_model()
     space = search_space(model, 8, recompute=False, mixed=False)
     groups = [GroupConfig(device_type="a", size=1, tp=1, recompute=False)] * 4
@@ -102,9 +102,15 @@ def test_a_plan_file_with_impossible_virtual_stages_is_refused_in_one_line():
         started=time.perf_counter(),
     )  # fmt: skip
     data = found.to_json()
+    space = {"microbatches": [4], "max_stages": 4, "groups": [["a", 1, 1, False]]}
+    assert Plan.from_json({**data, "space": space}).space.groups == (("a", 1, 1, False),)
     for bad, match in (
         ({"virtual_stages": 0}, "virtual_stages"),
         ({"virtual_stages": 2, "microbatches": 6}, "divisible"),
+        ({"space": {**space, "groups": [[float("inf"), 1, 1, False]]}}, "not a search space"),
+        ({"space": {**space, "groups": [["a", 1.5, 1, False]]}}, "not a search space"),
+        ({"space": {**space, "microbatches": [0]}}, "not a search space"),
+        ({"space": {**space, "virtual_stages": [float("nan")]}}, "not a search space"),
     ):
         with pytest.raises(ValueError, match=match) as err:
             Plan.from_json({**data, **bad})
