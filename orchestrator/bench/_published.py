@@ -120,7 +120,10 @@ class PublishedRun:
         if not llama and m["ffn_hidden"] != 4 * m["hidden"]:
             reasons.append(f"ffn {m['ffn_hidden']} ≠ 4·hidden")
         if (p.get("cp") or 1) > 1:
-            reasons.append(f"context parallelism {p['cp']}")
+            # fixed(cp=) prices it, but the CP attention's time counts every tile, causal or not
+            # (docs/costs.md), and at 131,072 tokens attention is most of the step, so such a row
+            # is priced far above its measured time
+            reasons.append(f"context parallelism {p['cp']}: its attention priced without the causal tiles it skips")
         return "; ".join(reasons) or None
 
 
@@ -236,6 +239,7 @@ def price(run: PublishedRun, model=None) -> dict:
         selective_recompute=p["recompute"] == "selective",
         overlap_param_gather=bool(p.get("overlap_param_gather")),
         virtual_stages=p.get("virtual_stages") or 1,
+        cp=p.get("cp") or 1,
     )
     ev = priced.evaluation
     return {

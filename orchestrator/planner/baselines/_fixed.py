@@ -25,12 +25,15 @@ def fixed(
     overlap_param_gather: bool = False,
     schedule: str = "1f1b",
     virtual_stages: int = 1,
+    cp: int = 1,
 ) -> BaselinePlan:
     """``stages`` (layer indices per pipeline stage), each on ``tp · dp`` devices of ``device_type``,
     at ``microbatches`` microbatches, priced by the planner's closed form. ``zero``,
     ``sequence_parallel``, ``selective_recompute`` and ``overlap_param_gather`` are the pricing
     options of :class:`~orchestrator.costs.ParallelConfig`, applied to every stage;
-    ``virtual_stages``: interleaved 1F1B chunks per stage (1: plain ``schedule``).
+    ``virtual_stages``: interleaved 1F1B chunks per stage (1: plain ``schedule``); ``cp``: each
+    sequence split over that many devices per replica (context parallelism; ``tp · cp · dp`` devices
+    per stage).
 
     The evaluation says whether it fits (``evaluation.feasible``); its time is priced either way.
     """
@@ -38,7 +41,7 @@ def fixed(
         raise ValueError(
             f"global batch {global_batch} does not split into {microbatches} microbatches of a multiple of dp={dp}"
         )
-    group = GroupConfig(device_type=device_type, size=tp * dp, tp=tp, recompute=recompute)
+    group = GroupConfig(device_type=device_type, size=tp * cp * dp, tp=tp, recompute=recompute, cp=cp)
     space = search_space(
         model,
         global_batch,

@@ -87,3 +87,19 @@ def test_a_ring_inside_a_host_uses_its_link_and_one_over_hosts_the_slowest_betwe
     across = GroupConfig(device_type=info.name, size=16, tp=1, recompute=False, cp=16)
     assert context_link(inside, info) == info.intra_link
     assert context_link(across, info) == info.inter_link != info.intra_link
+
+
+def test_a_fixed_configuration_may_split_each_sequence(tiny):
+    """baselines.fixed(cp=) prices a published context-parallel configuration: the ring's sends add to
+    the plain stage's time, on tp · cp · dp devices."""
+    from orchestrator.planner.baselines import fixed
+
+    layers = list(range(len(tiny.layers)))
+    plain = fixed(
+        tiny, stages=[layers], device_type="a100", tp=1, dp=2, recompute=False, microbatches=1, global_batch=8
+    )
+    split = fixed(
+        tiny, stages=[layers], device_type="a100", tp=1, dp=2, recompute=False, microbatches=1, global_batch=8, cp=2
+    )
+    assert split.groups[0].cp == 2 and split.groups[0].size == 4
+    assert split.evaluation.stage_time_s[0] > plain.evaluation.stage_time_s[0] / 2  # half the work, plus the ring
