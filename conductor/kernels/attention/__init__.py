@@ -101,11 +101,12 @@ def attention(
 Blockwise = Literal["pallas", "xla_chunked"]
 
 
-def _blockwise(implementation: str, q, block_sizes) -> tuple[int, int]:
+def _blockwise(implementation: str, q, k, block_sizes) -> tuple[int, int]:
+    """(block_q, block_k) for heads-major q and k, each at most its sequence."""
     if implementation not in ("pallas", "xla_chunked"):
         raise ValueError(f"implementation={implementation!r}; choose pallas or xla_chunked")
     sizes = block_sizes or AttentionBlockSizes()
-    return min(sizes.block_q, q.shape[2]), sizes.block_k
+    return min(sizes.block_q, q.shape[2]), min(sizes.block_k, k.shape[2])
 
 
 def flash_forward(
@@ -134,8 +135,7 @@ def flash_forward(
     Returns:
       (O, L): O (batch, heads, seq_q, head_dim_v) and L (batch, heads, seq_q), both fp32.
     """
-    bq, bk = _blockwise(implementation, q, block_sizes)
-    bk = min(bk, k.shape[2])
+    bq, bk = _blockwise(implementation, q, k, block_sizes)
     if implementation == "pallas":
         o, lse = pallas_forward(
             q, k, v, causal, scale, bq, bk, interpret_default(interpret), platform, o_dtype=jnp.float32
@@ -166,8 +166,7 @@ def flash_backward(
     ``delta`` = rowsum(dO ⊙ O) (batch, heads, seq_q) of the *finished* output, so each pair's
     p = e^{s − L} is already normalised over every key block the output saw. Layout and the
     other arguments as :func:`flash_forward`; dK and dV come back per kv head."""
-    bq, bk = _blockwise(implementation, q, block_sizes)
-    bk = min(bk, k.shape[2])
+    bq, bk = _blockwise(implementation, q, k, block_sizes)
     if implementation == "pallas":
         rows = lse[:, :, None], delta[:, :, None]
         return pallas_backward_rows(
