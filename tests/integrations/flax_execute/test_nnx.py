@@ -108,6 +108,7 @@ class Net(nnx.Module):
 
 @pytest.mark.parametrize("written", ["loss_fn", "step"])
 def test_an_nnx_model_is_cut_into_one_layer_per_module_like_linen(written):
+    original = vars(Block)["__call__"]
     model = Net(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     state, step = from_nnx(model, optimizer, **({"loss_fn": loss_fn} if written == "loss_fn" else {"step": user_step}))
@@ -120,7 +121,7 @@ def test_an_nnx_model_is_cut_into_one_layer_per_module_like_linen(written):
         "Net/blocks_2",
         "Net/head",
     ]
-    assert Block.__call__.__qualname__ == "Block.__call__"  # the scopes are gone once traced
+    assert vars(Block)["__call__"] is original  # the scopes are gone once traced
     assert not hasattr(model.blocks[0], "_orchestrator_scope")  # the user's model is left as it was
 
 
