@@ -19,11 +19,17 @@ gradient-norm clip: :mod:`integrations.flax._stagewise` tells them apart, and a 
 whose update does not split is refused here and planned on one stage by ``orchestrate``).
 
 **Schedule.** Each stage runs its forwards and backwards in the order
-:func:`orchestrator.simulate.stage_order` gives, the one the simulator replays
+:func:`orchestrator.simulate.chunk_order` gives, the one the simulator replays
 (GPipe: all forwards, then all backwards; 1F1B: ``min(S − s − 1, M)`` warm-up
 forwards, then one forward and one backward in turn, then the drain). The
 per-stage lists are merged into one dispatch order that respects dependencies;
 jax dispatches asynchronously, so stages on disjoint devices overlap.
+
+**Virtual stages** (interleaved 1F1B, ``plan.virtual_stages`` = v > 1; Narayanan et al. 2021,
+§2.2.2): the step is cut into v·S model chunks (:func:`~integrations.flax._stages.chunk_layers`),
+chunk c of stage s (virtual stage c·S + s) compiled for stage s's mesh and options, and each
+stage runs its (phase, microbatch, chunk) steps in Megatron-LM's interleaved order, the one
+:func:`orchestrator.simulate.chunk_order` gives and the planner prices.
 
 **Data parallelism inside a stage** with dp > 1: the stage is cut from the step traced at the
 per-replica microbatch (b/dp samples) and runs under ``jax.shard_map`` over ``"data"``
@@ -104,8 +110,8 @@ class Pipeline:
         """Per stage, the collective operand bytes (per device, by kind) of one step, and the new state.
 
         Runs one step and compiles what it dispatched: each stage's forward and
-        backward programs count M times, its update once. Transfers between
-        stages are device-to-device copies, not collectives, and are not counted.
+        backward programs (each chunk's, under virtual stages) count M times, its update once.
+        Transfers between stages are device-to-device copies, not collectives, and are not counted.
         """
         from integrations.flax._xla import hlo_collective_bytes
 

@@ -10,6 +10,10 @@ and ``"model"`` left to XLA (tensor parallelism by the parameters' shardings). E
 accumulates its own gradients into a buffer with a leading replica axis; the update sums that
 axis, which is the step's one gradient all-reduce. A replicated activation's cotangent is summed
 over replicas (``psum``) by its consumer and split 1/dp per replica by its producer.
+
+Under virtual stages (``plan.virtual_stages`` = v > 1) there is one program per model chunk
+(:func:`~integrations.flax._stages.chunk_layers`), v·S in all, chunk k compiled for stage k mod S's
+mesh and options; meshes, shardings, parameter owners and updates stay per stage.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from integrations.flax._capture import is_param_path, param_path_name
 from integrations.flax._shard import DATA, device_map, leaf_params, param_owners, param_spec, stage_mesh
-from integrations.flax._stages import StageProgram, cut_stages
+from integrations.flax._stages import StageProgram, chunk_layers, cut_stages
+from orchestrator.simulate import chunk_order
 
 
 @dataclass(slots=True)
@@ -58,7 +63,8 @@ class StageFns:
 
 @dataclass(frozen=True, slots=True)
 class Built:
-    """A pipeline's programs for one batch shape: the microbatch size, each stage's cut and its programs."""
+    """A pipeline's programs for one batch shape: the microbatch size, each stage's (under virtual
+    stages, each chunk's) cut and its programs."""
 
     micro: int
     programs: list[StageProgram]
@@ -230,12 +236,23 @@ class PipelineBuilder:
 
     Args:
       plan, train_step, state, layers, param_axes, cluster, axis_rules: as for :class:`~integrations.flax.Pipeline`.
+
+    Attributes:
+      rank: per program (stage, or chunk under virtual stages), the stage whose devices run it.
+      orders: per stage, its (phase, microbatch, chunk) steps in schedule order
+        (:func:`orchestrator.simulate.chunk_order`, the order the simulator prices).
+
+    Raises:
+      ValueError: virtual stages the schedule, the microbatch count or the stages' layers cannot take.
     """
 
     def __init__(self, plan, train_step: Callable, state, *, layers, param_axes=None, cluster=None, axis_rules=None):
         self.plan, self.train_step, self.layers = plan, train_step, layers
         self.param_axes = param_axes or {}
         self.axis_rules = axis_rules
+        S, v = len(plan.stages), plan.virtual_stages
+        self.orders = [chunk_order(plan.schedule, S, plan.microbatches, s, v) for s in range(S)]
+        self.rank = [k % S for k in range(len(chunk_layers(plan, layers)))]
         devices = device_map(cluster)
         self.meshes = [stage_mesh(stage, devices) for stage in plan.stages]
         self.devices = [tuple(mesh.devices.flat) for mesh in self.meshes]
@@ -290,10 +307,10 @@ class PipelineBuilder:
                 spec = jax.tree.map(lambda x, b=local: jax.ShapeDtypeStruct((b, *np.shape(x)[1:]), x.dtype), batch)
                 cuts[stage.dp] = cut_stages(self.train_step, abstract, spec, plan=self.plan, layers=self.layers)
                 specs[stage.dp] = spec
-        programs = [cuts[stage.dp][s] for s, stage in enumerate(self.plan.stages)]
+        programs = [cuts[self.plan.stages[s].dp][k] for k, s in enumerate(self.rank)]
         fns = []
         for p in programs:
-            stage, mesh = self.plan.stages[p.index], self.meshes[p.index]
+            stage, mesh = self.plan.stages[self.rank[p.index]], self.meshes[self.rank[p.index]]
             fun = None
             if (stage.sequence_parallel and stage.tp > 1) or (stage.selective_recompute and not stage.recompute):
                 from integrations.flax._options import stage_function

@@ -1,11 +1,15 @@
 """The pipeline's runner: one training step's dispatches, in schedule order, then each stage's update.
 
 A step places each stage's parameters on its mesh, runs every stage's forwards and backwards in
-the order :func:`orchestrator.simulate.stage_order` gives (merged into one dispatch order that
+the order :func:`orchestrator.simulate.chunk_order` gives (merged into one dispatch order that
 respects dependencies: jax dispatches asynchronously, so stages on disjoint devices overlap),
 moves the gradients of parameters read by several stages to their owner, and applies each
 stage's update to the leaves it owns. Every dispatch goes through :meth:`StepRun._call` or
-:meth:`StepRun._put`, which is where observers see it.
+:meth:`StepRun._put`, which is where observers see it, named by the stage whose devices run it.
+
+Under virtual stages each stage runs v programs, one per model chunk: activations, residuals,
+cotangents and gradient sums are kept per program (``k``, chunk k running on stage ``rank[k]``),
+the parameters placed and the updates applied per stage.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from integrations.flax._capture import param_path_name
 from integrations.flax._observe import Dispatch
 from integrations.flax._programs import Built, PipelineBuilder, zeros, zeros_program
 from integrations.flax._transfer import transfer
-from orchestrator.simulate import stage_order
 
 
 class StepRun:
@@ -30,12 +33,14 @@ class StepRun:
         self.b, self.built, self.state = builder, built, state
         self.observers = tuple(observers)
         self.n, self.m = len(builder.plan.stages), builder.plan.microbatches
+        self.rank = builder.rank  # program k (a stage, or a chunk under virtual stages) runs on stage rank[k]
         # the batch on the host once: each stage's microbatch slices then go host → devices directly
         self.batch_leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(batch)]
-        self.acts: dict[tuple[int, int, object], jax.Array] = {}  # (consumer stage, microbatch, key) → array
+        self.acts: dict[tuple[int, int, object], jax.Array] = {}  # (consumer program, microbatch, key) → array
         self.residuals: dict[tuple[int, int], object] = {}
-        self.cts: dict[tuple[int, int, object], jax.Array] = {}  # (producer stage, microbatch, key) → summed
-        self.accumulated: list[list | None] = [None] * self.n  # per stage: gradient sums of the parameters it reads
+        self.cts: dict[tuple[int, int, object], jax.Array] = {}  # (producer program, microbatch, key) → summed
+        # per program: gradient sums of the parameters it reads
+        self.accumulated: list[list | None] = [None] * len(self.rank)
         self.losses: list[jax.Array] = []
 
     def run(self):
@@ -75,58 +80,60 @@ class StepRun:
 
     # -- forwards and backwards ---------------------------------------------------------------
     def _place_params(self) -> list[dict[str, jax.Array]]:
-        """Per stage, the parameters it reads on its mesh (another stage's copied once per step)."""
+        """Per stage, the parameters its programs read on its mesh (another stage's copied once per step)."""
         params = self.b.params_of(self.state)
-        out = []
+        out: list[dict[str, jax.Array]] = [{} for _ in range(self.n)]
         for p in self.built.programs:
-            placed = {}
+            s = self.rank[p.index]
             for kind in p.inputs:
-                if kind[0] == "param" and kind[1] not in placed:
+                if kind[0] == "param" and kind[1] not in out[s]:
                     leaf = params[kind[1]]
-                    placed[kind[1]] = self._put(p.index, leaf, self.b.param_sharding(p.index, kind[1], leaf.shape))
-            out.append(placed)
+                    out[s][kind[1]] = self._put(s, leaf, self.b.param_sharding(s, kind[1], leaf.shape))
         return out
 
-    def _args_of(self, s: int, mb: int) -> list:
-        micro, out = self.built.micro, []
-        for kind in self.built.programs[s].inputs:
+    def _args_of(self, k: int, mb: int) -> list:
+        micro, out, s = self.built.micro, [], self.rank[k]
+        for kind in self.built.programs[k].inputs:
             if kind[0] == "param":
                 out.append(self.stage_params[s][kind[1]])
             elif kind[0] == "batch":
                 leaf = self.batch_leaves[kind[1]][mb * micro : (mb + 1) * micro]
                 out.append(self._put(s, leaf, self.b.act_sharding(s, leaf, micro), mb))
             else:
-                out.append(self.acts[(s, mb, kind[2])])
+                out.append(self.acts[(k, mb, kind[2])])
         return out
 
-    def _drop_inputs(self, s: int, mb: int) -> None:
-        """Forget stage ``s``'s activation inputs of microbatch ``mb``: read through residuals from now on."""
-        for kind in self.built.programs[s].inputs:
+    def _drop_inputs(self, k: int, mb: int) -> None:
+        """Forget program ``k``'s activation inputs of microbatch ``mb``: read through residuals from now on."""
+        for kind in self.built.programs[k].inputs:
             if kind[0] == "act":
-                self.acts.pop((s, mb, kind[2]), None)
+                self.acts.pop((k, mb, kind[2]), None)
 
-    def _forward(self, s: int, mb: int) -> None:
-        p, f = self.built.programs[s], self.built.fns[s]
-        args = self._args_of(s, mb)
+    def _forward(self, k: int, mb: int) -> None:
+        p, f, s = self.built.programs[k], self.built.fns[k], self.rank[k]
+        args = self._args_of(k, mb)
         if f.recompute:
             outs = self._call(s, "forward", f.forward, args, microbatch=mb)
-            self.residuals[(s, mb)] = args
+            self.residuals[(k, mb)] = args
         else:
-            outs, self.residuals[(s, mb)] = self._call(s, "forward", f.forward, args, microbatch=mb)
-            self._drop_inputs(s, mb)
+            outs, self.residuals[(k, mb)] = self._call(s, "forward", f.forward, args, microbatch=mb)
+            self._drop_inputs(k, mb)
         for key, value in zip(p.outputs, outs):
             if key == "loss":
                 self.losses.append(value)
                 continue
             for t in p.consumers[key]:
-                self.acts[(t, mb, key)] = self._put(t, value, self.b.act_sharding(t, value, self.built.micro), mb)
+                target = self.rank[t]
+                self.acts[(t, mb, key)] = self._put(
+                    target, value, self.b.act_sharding(target, value, self.built.micro), mb
+                )
 
-    def _output_cts(self, s: int, mb: int) -> list:
-        p, f = self.built.programs[s], self.built.fns[s]
+    def _output_cts(self, k: int, mb: int) -> list:
+        p, f, s = self.built.programs[k], self.built.fns[k], self.rank[k]
         out = []
         for key, aval in zip(p.outputs, f.out_avals):
             if key != "loss":
-                out.append(self.cts.pop((s, mb, key)))
+                out.append(self.cts.pop((k, mb, key)))
                 continue
             if f.seed is None:  # the loss cotangent: the same constant every microbatch and step
                 seed = np.full(aval.shape, 1.0 / (self.m * f.dp), aval.dtype)
@@ -134,54 +141,58 @@ class StepRun:
             out.append(f.seed)
         return out
 
-    def _accumulators(self, s: int) -> list:
-        """Stage ``s``'s gradient sums, made zero by its first backward of the step."""
-        if self.accumulated[s] is None:
-            p, f = self.built.programs[s], self.built.fns[s]
+    def _accumulators(self, k: int) -> list:
+        """Program ``k``'s gradient sums, made zero by its first backward of the step."""
+        if self.accumulated[k] is None:
+            p, f, s = self.built.programs[k], self.built.fns[k], self.rank[k]
             if f.zeros is None:
                 likes = [self.stage_params[s][p.inputs[i][1]] for i in f.param_inputs]
                 f.zeros = zeros_program(likes, [x.sharding for x in likes], f.dp)
-            self.accumulated[s] = self._call(s, "zeros", f.zeros)
-        return self.accumulated[s]
+            self.accumulated[k] = self._call(s, "zeros", f.zeros)
+        return self.accumulated[k]
 
-    def _backward(self, s: int, mb: int) -> None:
-        p, f = self.built.programs[s], self.built.fns[s]
-        out_cts = self._output_cts(s, mb)
-        saved = self.residuals.pop((s, mb))
-        acc = self._accumulators(s)
-        self.accumulated[s], in_cts = self._call(s, "backward", f.backward, saved, out_cts, acc, microbatch=mb)
+    def _backward(self, k: int, mb: int) -> None:
+        p, f, s = self.built.programs[k], self.built.fns[k], self.rank[k]
+        out_cts = self._output_cts(k, mb)
+        saved = self.residuals.pop((k, mb))
+        acc = self._accumulators(k)
+        self.accumulated[k], in_cts = self._call(s, "backward", f.backward, saved, out_cts, acc, microbatch=mb)
         if f.recompute:
-            self._drop_inputs(s, mb)
+            self._drop_inputs(k, mb)
         for i, ct in zip(f.act_inputs, in_cts):
             _, producer, key = p.inputs[i]
-            ct = self._put(producer, ct, self.b.act_sharding(producer, ct, self.built.micro), mb)
+            target = self.rank[producer]
+            ct = self._put(target, ct, self.b.act_sharding(target, ct, self.built.micro), mb)
             prev = self.cts.get((producer, mb, key))
             self.cts[(producer, mb, key)] = (
-                ct if prev is None else self._call(producer, "add", _add, prev, ct, microbatch=mb)
+                ct if prev is None else self._call(target, "add", _add, prev, ct, microbatch=mb)
             )
 
     def _run_schedule(self) -> None:
         """Each stage's steps in its schedule order, a step as soon as what it reads is done."""
-        orders = [stage_order(self.b.plan.schedule, self.n, self.m, s) for s in range(self.n)]
+        orders = self.b.orders  # per stage: (phase, microbatch, chunk); chunk c of stage s is program c·S + s
         programs = self.built.programs
         needs = [{kind[1] for kind in p.inputs if kind[0] == "act"} for p in programs]
         feeds = [{t for ts in p.consumers.values() for t in ts} for p in programs]
         done: set[tuple[str, int, int]] = set()
 
-        def ready(s: int, phase: str, mb: int) -> bool:
+        def ready(k: int, phase: str, mb: int) -> bool:
             if phase == "forward":
-                return all(("forward", j, mb) in done for j in needs[s])
-            return ("forward", s, mb) in done and all(("backward", t, mb) in done for t in feeds[s])
+                return all(("forward", j, mb) in done for j in needs[k])
+            return ("forward", k, mb) in done and all(("backward", t, mb) in done for t in feeds[k])
 
         position = [0] * self.n
         while any(position[s] < len(orders[s]) for s in range(self.n)):
             progressed = False
             for s in range(self.n):
-                if position[s] == len(orders[s]) or not ready(s, *orders[s][position[s]]):
+                if position[s] == len(orders[s]):
                     continue
-                phase, mb = orders[s][position[s]]
-                (self._forward if phase == "forward" else self._backward)(s, mb)
-                done.add((phase, s, mb))
+                phase, mb, chunk = orders[s][position[s]]
+                k = chunk * self.n + s
+                if not ready(k, phase, mb):
+                    continue
+                (self._forward if phase == "forward" else self._backward)(k, mb)
+                done.add((phase, k, mb))
                 position[s] += 1
                 progressed = True
             if not progressed:
@@ -192,12 +203,13 @@ class StepRun:
         """Per stage, the gradients of the parameters it owns, and other stages' contributions to them."""
         grads: list[dict[str, jax.Array]] = [{} for _ in range(self.n)]
         extra: list[dict[str, list]] = [{} for _ in range(self.n)]
-        for s, (p, f) in enumerate(zip(self.built.programs, self.built.fns)):
-            for i, g in zip(f.param_inputs, self.accumulated[s] or []):
+        for k, (p, f) in enumerate(zip(self.built.programs, self.built.fns)):
+            s = self.rank[k]
+            for i, g in zip(f.param_inputs, self.accumulated[k] or []):
                 path = p.inputs[i][1]
                 owner = self.b.owners[path]
-                if owner == s:
-                    grads[s][path] = g
+                if owner == s:  # under virtual stages, several chunks of the owner may read it
+                    grads[s][path] = g if path not in grads[s] else self._call(s, "add", _add, grads[s][path], g)
                     continue
                 if f.dp > 1:  # this stage's replicas sync their share before it moves
                     g = self._call(s, "sum", _sum0, g)

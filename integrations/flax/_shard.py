@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from integrations.flax._capture import is_param_path, param_path_name
+from integrations.flax._stages import chunk_layers
 from orchestrator.costs import MODEL_AXIS, LogicalAxisRules, logical_to_mesh_axes
 
 DATA, MODEL = "data", MODEL_AXIS
@@ -145,12 +146,13 @@ def leaf_params(state) -> list[tuple[str | None, bool]]:
 
 
 def param_owners(plan, layers) -> dict[str, int]:
-    """Parameter path → index of the stage that owns it (holds the layer that first reads it)."""
+    """Parameter path → index of the stage that owns it (holds the layer that first reads it; under
+    virtual stages, in the chunk of that layer: :func:`~integrations.flax._stages.chunk_layers`)."""
     owners = {}
-    for s, stage in enumerate(plan.stages):
-        for index in stage.layers:
+    for k, chunk in enumerate(chunk_layers(plan, layers)):
+        for index in chunk:
             for path in layers[index].params:
-                owners[path] = s
+                owners[path] = k % len(plan.stages)
     return owners
 
 

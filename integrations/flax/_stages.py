@@ -12,6 +12,15 @@ it, the step's ``"loss"`` metric. We cut the traced step rather than Flax
 modules because it needs nothing from the model: any function whose layers the
 op-graph finds splits the same way (a test does it for a residual MLP written
 in the test), and the cut is exactly the graph the planner costed.
+
+**Virtual stages.** Under interleaved 1F1B (``plan.virtual_stages`` = v > 1; Narayanan et
+al. 2021, §2.2.2) the step is cut into V = v·S model chunks in pipeline order, chunk k running
+on stage k mod S (chunk c of stage s is virtual stage c·S + s, as ``orchestrator.simulate``
+orders them). A plan records each stage's layers as one contiguous range and prices each chunk
+as 1/v of it; :func:`chunk_layers` lays the model out so that stage s still holds as many
+layers of each kind: chunk c of stage s takes 1/v of the stage's repeated layers (the blocks,
+identical, so it costs what was priced), the layers before the first block ride in the first
+chunk and those after the last block in the last, as Megatron-LM places the embedding and the head.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ class StageProgram:
     was cut from (which ties it to the captured ops, for the stage's options).
     """
 
-    index: int
+    index: int  # its position in the pipeline: the stage, or under virtual stages the chunk (c·S + s)
     closed: jcore.ClosedJaxpr
     inputs: list[tuple]
     outputs: list[object]
@@ -55,8 +64,67 @@ def _out_loss_index(train_step, state, batch) -> int:
     raise ValueError("a pipelined train step must return (state, metrics) with metrics['loss'] (the mean loss)")
 
 
+def repeated_layers(layers) -> set[int]:
+    """Indices of the layers in runs of several consecutive identical layers (equal signature and
+    output bytes: the blocks), the runs the planner splits into virtual stages."""
+    keys = [(layer.signature, layer.activation_bytes) for layer in layers]
+    return {
+        i for i, key in enumerate(keys) if (i > 0 and keys[i - 1] == key) or (i + 1 < len(keys) and keys[i + 1] == key)
+    }
+
+
+def chunk_layers(plan, layers) -> list[tuple[int, ...]]:
+    """The layers of each pipeline program in order: a stage's, or under virtual stages each model chunk's.
+
+    With v = ``plan.virtual_stages`` > 1 there are v·S chunks, chunk k on stage k mod S; chunk c
+    of stage s takes 1/v of the repeated layers stage s holds in the plan, in model order, and
+    the layers around them ride with the chunk before them (those before the first block with
+    the first chunk). See the module docstring.
+
+    Args:
+      plan: the plan.
+      layers: the coarsened layers its stages index.
+
+    Raises:
+      ValueError: under virtual stages, a layer in no stage or several, or a stage whose repeated
+        layers v does not split evenly.
+
+    Example: a GPT of 4 blocks planned as (embedding, blocks 0–1 | blocks 2–3, head) at v = 2
+    runs as chunks (embedding, block 0 | block 1 | block 2 | block 3, head), stage 0 holding
+    the first and third::
+
+      >>> chunk_layers(plan, layers)  # doctest: +SKIP
+      [(0, 1), (2,), (3,), (4, 5)]
+    """
+    S, v = len(plan.stages), plan.virtual_stages
+    if v == 1:
+        return [tuple(stage.layers) for stage in plan.stages]
+    held = sorted(index for stage in plan.stages for index in stage.layers)
+    if held != list(range(len(layers))):
+        raise ValueError(f"the plan's stages hold layers {held}, not each of the model's {len(layers)} layers once")
+    repeated = repeated_layers(layers)
+    counts = [sum(index in repeated for index in stage.layers) for stage in plan.stages]
+    for s, count in enumerate(counts):
+        if count < v or count % v:
+            raise ValueError(
+                f"stage {s} holds {count} repeated layers, which {v} virtual stages do not split evenly: "
+                "plan with virtual_stages=False to run it"
+            )
+    quotas = [counts[k % S] // v for k in range(v * S)]
+    chunks: list[list[int]] = [[] for _ in quotas]
+    k = filled = 0
+    for index in range(len(layers)):
+        if index in repeated:
+            if filled == quotas[k]:
+                k, filled = k + 1, 0
+            filled += 1
+        chunks[k].append(index)
+    return [tuple(chunk) for chunk in chunks]
+
+
 def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[StageProgram]:
-    """Cut ``train_step`` traced at ``batch``'s shape into one forward program per stage of ``plan``.
+    """Cut ``train_step`` traced at ``batch``'s shape into one forward program per stage of ``plan``
+    (under virtual stages, per model chunk: :func:`chunk_layers`).
 
     Args:
       train_step, state, batch: the step and abstract (or concrete) arguments at the microbatch shape.
@@ -75,7 +143,8 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
             "the step traced at the microbatch shape coarsens into different layers than the plan's: "
             f"{[layer.name for layer in mine]} vs {[layer.name for layer in layers]}"
         )
-    stage_of_layer = {index: s for s, stage in enumerate(plan.stages) for index in stage.layers}
+    chunks = chunk_layers(plan, layers)
+    stage_of_layer = {index: s for s, chunk in enumerate(chunks) for index in chunk}
     missing = sorted(set(range(len(mine))) - set(stage_of_layer))
     if missing:
         raise ValueError(f"layers {missing} belong to no stage of the plan")
@@ -94,7 +163,7 @@ def cut_stages(train_step: Callable, state, batch, *, plan, layers) -> list[Stag
             invar_kind[var] = ("state", jax.tree_util.keystr(path))
     loss_var = sliced.outvars[_out_loss_index(train_step, state, batch)]
 
-    n = len(plan.stages)
+    n = len(chunks)
     eqns: list[list] = [[] for _ in range(n)]
     flat: list[list[int]] = [[] for _ in range(n)]
     producer: dict[object, int] = {}

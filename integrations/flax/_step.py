@@ -12,7 +12,8 @@ A stage that says ``fsdp`` keeps its parameters split over ``"data"`` too
 ``selective_recompute`` runs the step rewritten per batch shape
 (:mod:`integrations.flax._options`), with the same shardings.
 
-A multi-stage plan runs as an MPMD pipeline (:mod:`integrations.flax._pipeline`).
+A multi-stage plan runs as an MPMD pipeline (:mod:`integrations.flax._pipeline`), with its
+virtual stages (interleaved 1F1B) when it has them.
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ def compile_step(
             f"stage {mixed[0]} of the plan spans two device types with uneven batch shares, which one SPMD "
             "program cannot run: plan with mixed_stages=False to execute it"
         )
-    if plan.virtual_stages > 1:
+    if plan.virtual_stages > 1 and (len(plan.stages) == 1 or any(stage.cp > 1 for stage in plan.stages)):
         raise ValueError(
-            f"the plan interleaves {plan.virtual_stages} virtual stages per stage, which the pipeline executor does "
-            "not run: plan with virtual_stages=False (the default) to execute it"
+            f"the plan interleaves {plan.virtual_stages} virtual stages on "
+            f"{'one stage' if len(plan.stages) == 1 else 'context-parallel stages'}, which no executor runs: "
+            "plan with virtual_stages=False (the default) to execute it"
         )
     sharded = [s for s, stage in enumerate(plan.stages) if stage.fsdp]
     if len(plan.stages) > 1 and sharded:

@@ -79,8 +79,8 @@ def plan_command(
     virtual_stages: Annotated[
         bool,
         typer.Option(
-            help="Also try interleaved 1F1B (virtual stages) on the plan found and keep the fastest; the executors "
-            "run plain 1F1B, so train refuses such a plan.",
+            help="Also try interleaved 1F1B (virtual stages) on the plan found and keep the fastest; train --plan "
+            "runs it in the Flax pipeline.",
         ),
     ] = False,
     output: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,

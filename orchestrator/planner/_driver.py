@@ -122,7 +122,7 @@ def plan(
         10%): a stage may fill capacity × (1 − memory_headroom) per device.
       virtual_stages: also price the plan found under interleaved 1F1B with v > 1 model chunks
         per stage and keep the fastest (``_make_plan``; its gap covers plain schedules). Off by
-        default: the executors run plain 1F1B, and ``compile_step`` refuses v > 1.
+        default; the Flax pipeline runs v > 1 (``integrations.torch_xla`` runs one-stage plans only).
       options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
       deadline: when given, the wall-clock cap of the call (a :class:`Deadline` that started
         earlier, e.g. with a command that captured the model first; the work budget is then at
