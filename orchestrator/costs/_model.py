@@ -9,9 +9,10 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
                       += forward of its core attention under selective recompute (``_recompute``)
     TP communication  = Σ_{all-reduced op ∈ ℓ} AR(bytes(op) · m/B, t)       (forward again under recompute)
     context parallel  = under degree n (``ParallelConfig.context_parallel``) each device holds T/n of every
-                        sequence: every op working on the batch does the work of m/n samples (the attention's
-                        too: the zigzag layout gives each device 1/n of the causal pairs), keeps m/n samples'
-                        activations and sends m/n samples' output; attention layers pass K/V around the ring
+                        sequence: every op working on the batch does the work of m/n samples, keeps m/n samples'
+                        activations and sends m/n samples' output; the attention's T × T work runs as the
+                        ring's blockwise kernels instead, the tiles a causal mask keeps (``_context``);
+                        attention layers pass K/V around the ring
                         and expose what the block computation does not hide (``_context``); the gathered
                         or arriving K/V blocks add to the transient memory; a layer with a sequential
                         scan over the sequence (``scan_state``) passes its carry instead, all-gathered
@@ -23,9 +24,15 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
                         n context-parallel ranks hold the same parameters and reduce their gradients too
     parameters        = Σ_params bytes · (1/t if TP-sharded);   gradients the same
     optimizer state   = parameters · (optimizer bytes / parameter bytes) · (1/p under ZeRO, p = dp·n)
+    under weights_once (a mixed-precision optimizer, as Megatron-LM's): the parameters held are the
+                        compute-dtype copy the forward reads (bf16: 2 bytes each), the float32
+                        masters of the cast ones join the optimizer state (split 1/p under ZeRO
+                        with it), gradients stay float32: 2 + 4 + 12 bytes per bf16-cast
+                        parameter under Adam, 2 + 4 + 12/p under ZeRO-1
     activations       = bytes live at the forward→backward boundary, per in-flight microbatch
-                        (only the layer's input under recompute; without the core attention's
-                        values under selective recompute)
+                        (only the layer's input under recompute, 1/t of it under SP; without the core attention's
+                        values under selective recompute; under weights_once without values
+                        computed from parameters alone, which are the step's one compute copy)
     transient         = peak of the layer's own forward+backward temporaries (its outputs apart) minus the above
                         (on CPU clusters, ``shared_cores`` set, with XLA:CPU's YNNPACK size rule, ``_liveness``)
 
@@ -51,7 +58,15 @@ from typing import Literal
 from orchestrator.cluster import Cluster, Link
 from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
-from orchestrator.costs._context import BACKWARD_RATIO, Form, context_parallel_cost, scan_carry_cost
+from orchestrator.costs._context import (
+    BACKWARD_RATIO,
+    Form,
+    blockwise_attention_s,
+    context_parallel_cost,
+    ring_attention_work,
+    scan_carry_cost,
+    square_ops,
+)
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, liveness, traffic_bytes
 from orchestrator.costs._recompute import AttentionCore, attention_core
@@ -186,6 +201,8 @@ class CostModel:
         compute-dtype copy, as Megatron-LM's distributed optimizer does. False (the default): once
         per microbatch, as the per-microbatch stage programs of ``integrations.flax.Pipeline`` run
         it. A measured layer's forward and backward keep their measured times either way.
+        Memory follows the same split: the compute-dtype copy is held once per step (not once
+        per in-flight microbatch), the float32 masters are optimizer state (module docstring).
     """
 
     def __init__(
@@ -277,6 +294,8 @@ class CostModel:
 
     def _scale(self, name: str, tp: int, microbatch: float, sp: bool = False) -> float:
         traits = self.traits_for(tp)
+        if self.weights_once and traits.is_param_derived(name):
+            return 0.0  # the step's compute copy of the weights: ``param_bytes``, not a per-microbatch buffer
         split = name in traits.split_ops or traits.roles[name] == "sharded"
         s = 1.0 / tp if split or (sp and self._batch_dependent[name]) else 1.0
         if self._batch_dependent[name]:
@@ -432,6 +451,12 @@ class CostModel:
                     out[path] = min(size, out.get(path, size))
         return out
 
+    def _master_bytes(self, index: int, tp: int) -> float:
+        """Per-device bytes of the parameters of layer ``index`` the forward casts to a narrower
+        dtype, as stored: under ``weights_once``, the masters a mixed-precision optimizer keeps."""
+        itemsize = self._memo(self._graph_memo, "compute_itemsize", self._compute_itemsizes)
+        return self._local_bytes([path for path in self.layers[index].params if path in itemsize], tp)
+
     def _local_bytes(self, paths, tp: int) -> float:
         return sum(self.graph.params[path].nbytes * self._local_fraction(path, tp) for path in paths)
 
@@ -493,10 +518,12 @@ class CostModel:
             lambda: attention_core(self.graph, self.layers[index].ops, lambda n: self._batch_dependent[n]),
         )
 
-    def _core_time(self, index: int, device_type: str, tp: int, microbatch: float) -> float:
-        """Seconds of layer ``index``'s core attention forward, modelled; a measured layer's scaled by
-        its measured-to-modelled forward ratio."""
-        core = self.attention_core(index).ops
+    def _core_time(
+        self, index: int, device_type: str, tp: int, microbatch: float, ops=None, phase: str = "forward"
+    ) -> float:
+        """Seconds of layer ``index``'s core attention forward (or of its ``ops`` in ``phase``), modelled;
+        a measured layer's scaled by its measured-to-modelled ratio of that phase."""
+        core = self.attention_core(index).ops if ops is None else ops
         if not core:
             return 0.0
         index = self._representative(index)
@@ -508,10 +535,10 @@ class CostModel:
             * (microbatch / self.batch_size if self._batch_work[n] else 1)
             for n in core
         )
-        forward = self._modelled_time(index, device_type, "forward", tp, microbatch)
+        forward = self._modelled_time(index, device_type, phase, tp, microbatch)
         if self._measured_on(index, device_type) is None or forward <= 0:
             return modelled
-        return modelled * self._phase_time(index, device_type, "forward", tp, microbatch) / forward
+        return modelled * self._phase_time(index, device_type, phase, tp, microbatch) / forward
 
     def _compute_memory(
         self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False
@@ -565,12 +592,17 @@ class CostModel:
         )
         optimizer += weights
         fixed = self._fixed_time(index, device_type, "forward") + self._fixed_time(index, device_type, "backward")
+        ring = self._context_parallel(index, device_type, t, m, cp, cp_link or self.default_link(device_type))
+        if ring:  # the ring's blockwise kernels run the attention's T × T work (``_context``)
+            square_f, square_b = self._square_ops(index)
+            forward += ring.chosen.compute_forward_s - self._core_time(index, device_type, t, m, square_f)
+            backward += ring.chosen.compute_backward_s - self._core_time(index, device_type, t, m, square_b, "backward")
         selective = config.selective_recompute and not config.recompute
         if config.recompute:
             backward += forward
             fixed += self._fixed_time(index, device_type, "forward")
         elif selective:
-            backward += self._core_time(index, device_type, t, m)
+            backward += ring.chosen.compute_forward_s if ring else self._core_time(index, device_type, t, m)
         ar = self.tp_allreduce_bytes(index, m, t) if t > 1 else {}
         tp_fwd, tp_bwd = ar.get("forward", 0.0), ar.get("backward", 0.0)
         if config.recompute:
@@ -578,7 +610,6 @@ class CostModel:
         tp_comm = coll.all_reduce_s(tp_fwd, t, tp_link) + coll.all_reduce_s(tp_bwd, t, tp_link)
         sp_grads = self.sequence_parallel_grad_bytes(index, t) if sp else 0.0
         tp_comm += coll.all_reduce_s(sp_grads, t, tp_link)
-        ring = self._context_parallel(index, device_type, t, m, cp, cp_link or self.default_link(device_type))
         cp_fwd, cp_bwd = (ring.chosen.exposed_forward_s, ring.chosen.exposed_backward_s) if ring else (0.0, 0.0)
         carry = self._scan_carry(index, config.microbatch_size, cp, cp_link or self.default_link(device_type))
         if carry:
@@ -607,11 +638,16 @@ class CostModel:
         layer = self.layers[index]
         if config.recompute:
             transient += kept
-            kept = self._input_bytes(index) * m / self.batch_size
-        optimizer_bytes = params * self.optimizer_ratio / (replicas if zero else 1)
-        stored = params / replicas if config.fsdp else params
+            # the layer's input, which sequence parallelism splits over the TP ranks (Korthikanti et al., 2022, §4)
+            kept = self._input_bytes(index) * m / self.batch_size / (t if sp else 1)
+        held, masters = params, 0.0
+        if self.weights_once:  # the compute copy held, its float32 masters with the optimizer
+            held = self._gathered_param_bytes(index, t)
+            masters = self._master_bytes(index, t)
+        optimizer_bytes = (params * self.optimizer_ratio + masters) / (replicas if zero else 1)
         if config.fsdp:  # the layer's gathered parameters and its full-size gradient, while it runs
-            transient += 2 * params
+            transient += held + params
+        shard = replicas if config.fsdp else 1
         return LayerCost(
             forward_s=forward,
             backward_s=backward,
@@ -620,8 +656,8 @@ class CostModel:
             dp_sync_s=dp_sync,
             tp_allreduce_bytes=tp_fwd + tp_bwd,
             dp_sync_bytes=gradients if replicas > 1 else 0.0,
-            param_bytes=stored,
-            grad_bytes=stored,
+            param_bytes=held / shard,
+            grad_bytes=params / shard,
             optimizer_bytes=optimizer_bytes,
             activation_bytes=kept,
             transient_bytes=transient,
@@ -637,6 +673,8 @@ class CostModel:
                 "weights_once_s": weights,
                 "cp_forward_s": cp_fwd,
                 "cp_backward_s": cp_bwd,
+                "cp_attention_forward_s": ring.chosen.compute_forward_s if ring else 0.0,
+                "cp_attention_backward_s": ring.chosen.compute_backward_s if ring else 0.0,
                 "cp_bytes": (float(ring.chosen.bytes_sent) if ring else 0.0)
                 + (float(carry.bytes_sent) if carry else 0.0),
             },
@@ -710,12 +748,19 @@ class CostModel:
 
     def _context_parallel(self, index: int, device_type: str, tp: int, samples: float, cp: int, link: Link):
         """The ring-or-gather price of layer ``index``'s attention over ``cp`` devices, each holding
-        ``samples`` samples' worth of tokens; None without context parallelism or attention."""
+        ``samples`` samples' worth of tokens, its block steps run by the blockwise kernels; None
+        without context parallelism or attention."""
         if cp < 2 or not self.attention_core(index).starts:
             return None
         nbytes, elements = self.kv_bytes(index, tp)
         share = samples / self.batch_size  # of the captured batch and whole sequence, per device
-        step = self._core_time(index, device_type, tp, samples) / cp  # one of the cp block steps
+        split = self.traits_for(tp).split_ops
+        work = ring_attention_work(
+            self.graph, self.attention_core(index), self._constant_ops, self.attention_length(), cp,
+            lambda name: share / tp if name in split else share,
+        )  # fmt: skip
+        device = self.cluster.device_types[device_type]
+        step = blockwise_attention_s(**work, device=device, efficiency=self.efficiency_of(device_type)) / cp
         return context_parallel_cost(
             n=cp,
             kv_bytes=nbytes * share,
@@ -725,6 +770,13 @@ class CostModel:
             link=link,
             memory_budget_bytes=self.cluster.device_types[device_type].memory_bytes,
         )
+
+    def _square_ops(self, index: int) -> tuple[frozenset[str], frozenset[str]]:
+        """Layer ``index``'s forward and backward ops on its attention's T × T scores (``_context.square_ops``)."""
+        index = self._representative(index)
+        core = self.attention_core(index)
+        key = ("square", index)
+        return self._memo(self._graph_memo, key, lambda: square_ops(self.graph, self.layers[index].ops, core, self._constant_ops))  # fmt: skip
 
     def _input_bytes(self, index: int) -> float:
         return float(sum(d["bytes"] for _, _, d in self.layers.nx.in_edges(index, data=True)))

@@ -537,6 +537,29 @@ def test_weights_once_moves_parameter_casts_from_every_microbatch_to_the_step():
     assert once.optimizer_s == pytest.approx(every.optimizer_s + moved)
 
 
+def test_weights_once_holds_the_compute_copy_once_and_the_masters_with_the_optimizer():
+    """A mixed-precision optimizer (Megatron-LM's): 2 bytes of bf16 copy, 4 of float32 gradient and
+    4 + 8 of master and Adam moments per bf16-cast parameter, 2 + 4 + 12/p under ZeRO over p
+    replicas; the bf16 copy is no activation, so what each in-flight microbatch keeps shrinks by it."""
+    per_microbatch, graph = _bf16_tiny_model()
+    per_step, _ = _bf16_tiny_model(weights_once=True)
+    params = per_step.layers[1].params
+    cast = [p for p in params if "/ln_" not in p]  # the LayerNorms compute in float32
+    whole = sum(graph.params[p].nbytes for p in params)
+    copy = sum(graph.params[p].nbytes // (2 if p in cast else 1) for p in params)
+    masters = sum(graph.params[p].nbytes for p in cast)
+    for dp, zero in ((1, False), (4, True)):
+        config = ParallelConfig(dp=dp, microbatch_size=2, zero=zero)
+        every, once = per_microbatch.layer_cost(1, "a100", config), per_step.layer_cost(1, "a100", config)
+        assert every.param_bytes == every.grad_bytes == whole
+        assert once.param_bytes == pytest.approx(copy) and once.grad_bytes == whole
+        assert once.optimizer_bytes == pytest.approx((every.optimizer_bytes * dp + masters) / dp)
+        # cast per microbatch, each kernel's bf16 copy is kept for the backward's matmuls (the
+        # biases' casts fuse into their adds)
+        kernels = sum(graph.params[p].nbytes // 2 for p in cast if p.endswith("kernel"))
+        assert every.activation_bytes - once.activation_bytes == pytest.approx(kernels)
+
+
 def test_sequence_parallelism_splits_the_work_tensor_parallelism_leaves_whole():
     """LayerNorms and residual adds run on 1/t of the sequence, their activations too; the
     collectives carry the same ring bytes (a reduce-scatter and an all-gather per all-reduce)."""
@@ -555,6 +578,10 @@ def test_sequence_parallelism_splits_the_work_tensor_parallelism_leaves_whole():
     )
     one = model.layer_cost(1, "a100", ParallelConfig(tp=1, microbatch_size=8, sequence_parallel=True))
     assert one.forward_s == model.layer_cost(1, "a100", ParallelConfig(tp=1, microbatch_size=8)).forward_s
+    # under full recompute the block keeps its input, which the split leaves 1/t of on each rank
+    full = {sp: ParallelConfig(tp=2, microbatch_size=8, recompute=True, sequence_parallel=sp) for sp in (False, True)}
+    kept = {sp: model.layer_cost(1, "a100", config).activation_bytes for sp, config in full.items()}
+    assert kept[False] == 8 * recipe.seq_len * recipe.config.d_model * 4 and kept[True] == kept[False] / 2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
