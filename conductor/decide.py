@@ -37,7 +37,8 @@ from typing import Literal
 import jax
 
 from conductor.kernels import AttentionBlockSizes, Implementation, ScanBlockSizes, divisible_block
-from conductor.kernels.attention import Band
+from conductor.kernels._common import GPU_SHARED_MEMORY_BYTES
+from conductor.kernels.attention import Band, attention_tile_bytes
 from conductor.match import Match
 
 DeviceKind = Literal["cpu", "gpu", "tpu"]
@@ -67,7 +68,7 @@ PROFILES: dict[str, DeviceProfile] = {
     )
     for kind, onchip_bytes, peak_flops, bandwidth, parallel_scan_pays in (
         ("cpu", 1 << 20, 5e10, 1e10, False),
-        ("gpu", 164 << 10, 19.5e12, 1.555e12, True),
+        ("gpu", GPU_SHARED_MEMORY_BYTES, 19.5e12, 1.555e12, True),
         ("tpu", 16 << 20, 275e12, 1.2e12, True),
     )
 }
@@ -171,7 +172,7 @@ def _attention(m: Match, p: DeviceProfile, choice: Choice, impl: Implementation)
     )
     # a block wider than a sliding window's band computes tiles that are mostly masked
     limit = max(seq_q, seq_k) if mask.width is None else max(64, 1 << (mask.width.bit_length() - 1))
-    block = _pow2_fit(limit, (seq_q, seq_k), lambda b: (4 * b * d + b * b) * 4 <= p.onchip_bytes // 2)
+    block = _pow2_fit(limit, (seq_q, seq_k), lambda b: 2 * attention_tile_bytes(b, d) <= p.onchip_bytes)
     rewritten_bytes = bh * seq_q * (d + 1) * 4
     traffic = bh * seq_k * d * 4 * 2 * (seq_q // block if block else 1) + 2 * bh * seq_q * d * 4
     estimates = dict(

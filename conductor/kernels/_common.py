@@ -10,12 +10,21 @@ import jax.numpy as jnp
 Implementation = Literal["pallas", "xla_chunked", "reference"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = ("pallas", "xla_chunked", "reference")
 
+# Shared memory of one GPU streaming multiprocessor, where a Pallas kernel lowered through Triton
+# keeps its tiles: 164 KiB on an A100, the smallest of the GPUs the kernels target (an H100 has 228 KiB).
+GPU_SHARED_MEMORY_BYTES = 164 << 10
+
 
 def check_implementation(implementation: str) -> Implementation:
     """``implementation`` itself, or a ``ValueError`` naming the allowed values."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     return implementation  # type: ignore[return-value]
+
+
+def on_gpu(platform: str | None) -> bool:
+    """Whether ``platform`` (default: the local backend) is a GPU."""
+    return (platform or jax.default_backend()) in ("gpu", "cuda", "rocm")
 
 
 def interpret_default(interpret: bool | None) -> bool:
@@ -41,8 +50,7 @@ def compiler_params(platform: str | None):
     On GPUs, Triton: jax 0.10 otherwise picks Mosaic GPU, which lowers no ``dot_general``
     in ``pallas_call`` kernels. Elsewhere none (a TPU lowering refuses GPU parameters).
     """
-    platform = platform or jax.default_backend()
-    if platform not in ("gpu", "cuda", "rocm"):
+    if not on_gpu(platform):
         return None
     from jax.experimental.pallas import triton as pltriton
 

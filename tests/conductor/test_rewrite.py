@@ -93,6 +93,19 @@ def test_decisions_follow_the_cost_model():
     assert on_tpu[0][1].block_sizes.block_q > on_gpu[0][1].block_sizes.block_q
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_kernel_called_without_blocks_on_a_gpu_uses_the_blocks_the_decision_model_picks(head_dim):
+    """128 × 128 float32 tiles at head_dim 64 ask Triton for more shared memory than an H100 SM has
+    (measured: 257 KiB requested, 227 KiB available); the default on a GPU is the decision model's block."""
+    from conductor.kernels.attention import AttentionBlockSizes, default_block_sizes
+
+    spec = jax.ShapeDtypeStruct((1, 8192, 8, head_dim), jnp.float32)
+    on_gpu = conductor.inspect(_attn, spec, spec, spec, policy=conductor.Policy(device="cuda"))[0][1]
+    assert default_block_sizes(head_dim, "cuda") == on_gpu.block_sizes
+    assert default_block_sizes(head_dim, "cuda").block_q < 128
+    assert default_block_sizes(head_dim, "cpu") == default_block_sizes(head_dim, "tpu") == AttentionBlockSizes()
+
+
 def test_parallel_scan_form_only_where_it_pays():
     r = get_recipe("mamba-tiny")
     state = r.abstract_state()

@@ -17,7 +17,13 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from conductor.kernels._common import Implementation, check_implementation, interpret_default
+from conductor.kernels._common import (
+    GPU_SHARED_MEMORY_BYTES,
+    Implementation,
+    check_implementation,
+    interpret_default,
+    on_gpu,
+)
 from conductor.kernels.attention._mask import Band, band
 from conductor.kernels.attention._pallas import attention_pallas
 from conductor.kernels.attention._pallas import backward_rows as pallas_backward_rows
@@ -34,6 +40,27 @@ class AttentionBlockSizes:
 
     block_q: int = 128
     block_k: int = 128
+
+
+def attention_tile_bytes(block: int, head_dim: int) -> int:
+    """On-chip bytes of one flash step's fp32 tiles at square blocks: Q, K, V and the accumulator
+    (block × head_dim each) and the block × block scores. A block fits a device whose on-chip memory
+    holds twice this (the other half double-buffers the next K and V tiles)."""
+    return (4 * block * head_dim + block * block) * 4
+
+
+def default_block_sizes(head_dim: int, platform: str | None = None) -> AttentionBlockSizes:
+    """The blocks used when none are given: 128 × 128, and on a GPU the largest power of two ≤ 128
+    whose tiles fit (:func:`attention_tile_bytes`) in one SM's shared memory. A float32 kernel at
+    head_dim 64 with 128 × 128 blocks asks Triton for 257 KiB, more than an H100's SM holds; at
+    64 × 64 it runs, and at bfloat16 it is also faster there than 128 × 128
+    (``orchestrator/bench/data/h100_conductor_times.json``)."""
+    if not on_gpu(platform):
+        return AttentionBlockSizes()
+    block = 128
+    while block > 16 and 2 * attention_tile_bytes(block, head_dim) > GPU_SHARED_MEMORY_BYTES:
+        block //= 2
+    return AttentionBlockSizes(block_q=block, block_k=block)
 
 
 def attention(
@@ -88,7 +115,7 @@ def attention(
     masks = dict(causal=causal, window=window, prefix=prefix)
     if implementation == "reference":
         return attention_reference(q, k, v, scale=scale, **masks)
-    sizes = block_sizes or AttentionBlockSizes()
+    sizes = block_sizes or default_block_sizes(q.shape[-1], platform)
     bq, bk = min(sizes.block_q, q.shape[1]), min(sizes.block_k, k.shape[1])
     if q.shape[1] % bq or k.shape[1] % bk:
         raise ValueError(f"block sizes ({bq}, {bk}) must divide the sequence lengths ({q.shape[1]}, {k.shape[1]})")
@@ -101,11 +128,11 @@ def attention(
 Blockwise = Literal["pallas", "xla_chunked"]
 
 
-def _blockwise(implementation: str, q, k, block_sizes) -> tuple[int, int]:
+def _blockwise(implementation: str, q, k, block_sizes, platform) -> tuple[int, int]:
     """(block_q, block_k) for heads-major q and k, each at most its sequence."""
     if implementation not in ("pallas", "xla_chunked"):
         raise ValueError(f"implementation={implementation!r}; choose pallas or xla_chunked")
-    sizes = block_sizes or AttentionBlockSizes()
+    sizes = block_sizes or default_block_sizes(q.shape[-1], platform)
     return min(sizes.block_q, q.shape[2]), min(sizes.block_k, k.shape[2])
 
 
@@ -135,7 +162,7 @@ def flash_forward(
     Returns:
       (O, L): O (batch, heads, seq_q, head_dim_v) and L (batch, heads, seq_q), both fp32.
     """
-    bq, bk = _blockwise(implementation, q, k, block_sizes)
+    bq, bk = _blockwise(implementation, q, k, block_sizes, platform)
     if implementation == "pallas":
         o, lse = pallas_forward(
             q, k, v, causal, scale, bq, bk, interpret_default(interpret), platform, o_dtype=jnp.float32
@@ -166,7 +193,7 @@ def flash_backward(
     ``delta`` = rowsum(dO ⊙ O) (batch, heads, seq_q) of the *finished* output, so each pair's
     p = e^{s − L} is already normalised over every key block the output saw. Layout and the
     other arguments as :func:`flash_forward`; dK and dV come back per kv head."""
-    bq, bk = _blockwise(implementation, q, k, block_sizes)
+    bq, bk = _blockwise(implementation, q, k, block_sizes, platform)
     if implementation == "pallas":
         rows = lse[:, :, None], delta[:, :, None]
         return pallas_backward_rows(
@@ -197,6 +224,8 @@ __all__ = [
     "Blockwise",
     "attention",
     "attention_reference",
+    "attention_tile_bytes",
+    "default_block_sizes",
     "flash_backward",
     "flash_forward",
 ]
