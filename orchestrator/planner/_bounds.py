@@ -18,8 +18,9 @@ import math
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+from orchestrator.planner._capacity import capacity_bound_s
 from orchestrator.planner._groups import GroupConfig
-from orchestrator.planner._ilp import MS, simple_bound_s, undominated
+from orchestrator.planner._ilp import MS, undominated
 from orchestrator.planner._incumbent import Best, Incumbent
 from orchestrator.planner._packing import TOLERANCE, PackingBound
 from orchestrator.planner._paths import StageColumns
@@ -62,9 +63,13 @@ def packing_bounds(
         groups = undominated(
             [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
         )
-        simple = max(simple_bound_s(space.runs, groups, space.table, space.infos, M), (known or {}).get(M, 0.0))
-        if not groups or work.now() >= deadline or not highs_available():  # (the LP needs highspy)
-            found[M] = simple
+        simple = max(
+            capacity_bound_s(space.runs, groups, space.table, space.infos, M, best.schedule) if groups else math.inf,
+            (known or {}).get(M, 0.0),
+        )
+        # (an M whose capacity alone reaches the cutoff needs no packing LP)
+        if not groups or simple >= cutoff_s or work.now() >= deadline or not highs_available():
+            found[M] = min(simple, cutoff_s)
             continue
         if M not in searches:
             searches[M] = PackingBound(space, groups, microbatches=M, max_stages=max_stages, schedule=best.schedule)

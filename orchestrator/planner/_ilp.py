@@ -310,6 +310,7 @@ class StageModel:
         # the migration term of re-planning (``_migration``): stay variables and their part of the objective
         self.stays: list = []
         self._link_bounds: dict[int, float] = {}
+        self._capacity: float | None = None
         self._entries: dict = {}
         self._parts: dict = {}
         self.migration = 0
@@ -687,7 +688,15 @@ class StageModel:
         return self
 
     def simple_bound_s(self) -> float:
-        return simple_bound_s(self.runs, self.groups, self.table, self.infos, self.M)
+        """The solve-free floor of this M's plans: each device type's capacity (``_capacity``; its
+        memory rows left out in the diagnosis variant, whose memory may grow), remembered."""
+        if self._capacity is None:
+            from orchestrator.planner._capacity import capacity_bound_s  # (it reads this module's runs)
+
+            self._capacity = capacity_bound_s(
+                self.runs, self.groups, self.table, self.infos, self.M, self.schedule, memory=not self.repair
+            )
+        return self._capacity
 
     def link_bound_s(self, stages: int) -> float:
         """:func:`link_bound_s` of this model's plans with exactly ``stages`` stages (remembered)."""
