@@ -26,9 +26,21 @@ gathered K/V fits the memory budget, the ring otherwise. The cost model prices a
 layers with it (``CostModel.layer_cost`` under ``ParallelConfig.context_parallel``); the
 conductor's ring kernels take the chosen ``form`` as an argument.
 
-A block step's compute, from shapes: the forward does 4·B·H·(T/n)²·D·f FLOPs (f = ½ causal and
-balanced, 1 otherwise) and the backward 2.5× that (it recomputes the scores):
-:func:`choose_context_parallel` prices a layer given by shapes and a device's FLOP/s.
+Each block step runs the blockwise (flash) kernels: per (query block, key block) tile they compute,
+4·D FLOPs and one exponential per (query, key) pair, and Q, K, V and O pass through memory once; the
+scores never leave the chip. Under a causal mask a tile above the diagonal is skipped and one on it
+computed whole, so of the T²/n pairs a device would compute unmasked, it runs the fraction f of
+:func:`ring_tile_fraction` (the zigzag ring's tiles at 128 × 128 blocks, the kernels' default: just
+over ½, the same on every device; 1 unmasked). Per device:
+
+    forward   c_F = f·F/(P·e_matmul) + f·X/(P·e_transcendental) + (Q + K + V + O bytes)/(W·e_memory)
+    backward  2.5·c_F (the kernels recompute the scores);    one block step c_f = c_F/n, c_b = 2.5·c_f
+
+with F and X the unmasked attention's matmul FLOPs and exponentials on the device's share, P its
+peak FLOP/s and W its memory bandwidth (:func:`blockwise_attention_s`). :func:`square_ops` finds
+the captured ops this replaces (the T × T scores' forward and backward work and the mask built for
+them) and :func:`masked_by_position` whether the mask is causal; :func:`choose_context_parallel`
+prices a layer given by shapes and a device's FLOP/s.
 
 A selective scan (Mamba) over a sequence split contiguously n ways passes its carry instead of
 K/V: each device's final state and total Δ, s = B·D·(N + 1)·4 bytes (fp32), in one all-gather
@@ -41,15 +53,23 @@ nothing hides it:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from orchestrator.cluster import Link
+from orchestrator.cluster import DeviceType, Link
 from orchestrator.costs._collectives import all_gather_s, reduce_scatter_s
+from orchestrator.costs._recompute import AttentionCore
+from orchestrator.costs._roofline import Efficiency, compute_dtype
+from orchestrator.graph import OpGraph
 
 Form = Literal["ring", "all_gather"]
 BACKWARD_RATIO = 2.5  # a blockwise attention backward's FLOPs over its forward's (it recomputes the scores)
 STEP_OVERHEAD_S = 10e-6  # κ: a ring step's launch and send/receive handshake
+# the ring kernels' query and key block length (conductor.kernels.AttentionBlockSizes' default, which the
+# cost model may not import; a test holds the two equal)
+RING_BLOCK = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +79,7 @@ class ContextParallelCost:
     Attributes:
       form: ``"ring"`` or ``"all_gather"``.
       time_s: compute and exposed communication, forward and backward.
+      compute_forward_s, compute_backward_s: the n block steps' computation (n·c_f, n·c_b).
       exposed_forward_s, exposed_backward_s: the communication no block computation hides.
       bytes_sent: forward + backward.
       extra_memory_bytes: K/V held beyond the local slice.
@@ -66,6 +87,8 @@ class ContextParallelCost:
 
     form: Form
     time_s: float
+    compute_forward_s: float
+    compute_backward_s: float
     exposed_forward_s: float
     exposed_backward_s: float
     bytes_sent: int
@@ -147,9 +170,11 @@ def context_parallel_cost(
     ring_b = (n - 1) * max(0.0, send_b - step_backward_s) + n * step_overhead_s
     gather = (n - 1) * (alpha + kv_bytes / beta)
     gather_f, gather_b = max(0.0, gather - step_forward_s), max(0.0, gather - step_backward_s)
+    steps = dict(compute_forward_s=n * step_forward_s, compute_backward_s=n * step_backward_s)
     ring = ContextParallelCost(
         form="ring",
         time_s=compute + ring_f + ring_b,
+        **steps,
         exposed_forward_s=ring_f,
         exposed_backward_s=ring_b,
         bytes_sent=int(_permute_bytes(kv_bytes, grad_bytes, n, backward=True)),
@@ -158,6 +183,7 @@ def context_parallel_cost(
     all_gather = ContextParallelCost(
         form="all_gather",
         time_s=compute + gather_f + gather_b,
+        **steps,
         exposed_forward_s=gather_f,
         exposed_backward_s=gather_b,
         bytes_sent=int(2 * (n - 1) * kv_bytes),
@@ -204,7 +230,8 @@ def choose_context_parallel(
     """
     if n < 2:
         raise ValueError(f"context parallelism needs n >= 2 devices; got {n}")
-    step = 4 * batch * heads * (seq_len // n) ** 2 * head_dim * (0.5 if causal else 1.0) / flops_per_s
+    fraction = ring_tile_fraction(seq_len, n, causal=causal)
+    step = 4 * batch * heads * (seq_len // n) ** 2 * head_dim * fraction / flops_per_s
     return context_parallel_cost(
         n=n,
         kv_bytes=block_bytes(batch, seq_len, n, kv_heads, head_dim, itemsize),
@@ -215,6 +242,126 @@ def choose_context_parallel(
         step_overhead_s=step_overhead_s,
         memory_budget_bytes=memory_budget_bytes,
     )
+
+
+@functools.cache
+def ring_tile_fraction(
+    seq_len: int, n: int, *, causal: bool, block_q: int = RING_BLOCK, block_k: int = RING_BLOCK
+) -> float:
+    """Of the T²/n (query, key) pairs a device of a zigzag ring over ``n`` computes unmasked, the share
+    its kernels run: the tiles (``block_q`` × ``block_k``) of each (query chunk, key chunk) pair that a
+    causal mask keeps whole (key chunk before the query chunk) or in part (the same chunk: the tiles
+    on and below the diagonal), on the busiest device (zigzag makes them equal). 1 without a mask.
+
+    The count of ``conductor.kernels.ring.attention_flops_per_device``, which the cost model may not
+    import; a test holds the two equal.
+
+    Example:
+        >>> round(ring_tile_fraction(131072, 16, causal=True), 4)
+        0.5005
+    """
+    length = seq_len // (2 * n)  # the zigzag chunk: device r holds chunks r and 2n − 1 − r
+    if not causal or length == 0:
+        return 1.0
+    bq, bk = min(block_q, length), min(block_k, length)
+    full = (length // bq) * (length // bk)
+    diagonal = sum(min(((i + 1) * bq + bk - 1) // bk, length // bk) for i in range(length // bq))
+
+    def chunk(device: int, local: int) -> int:
+        return 2 * n - 1 - device if local else device
+
+    def tiles(me: int) -> int:
+        pairs = ((chunk(me, a), chunk(src, b)) for src in range(n) for a in (0, 1) for b in (0, 1))
+        return sum(full if k < q else diagonal if k == q else 0 for q, k in pairs)
+
+    return max(tiles(me) for me in range(n)) * bq * bk / (2 * n * length) ** 2 * n
+
+
+def blockwise_attention_s(
+    *, flops: float, exponentials: float, io_bytes: float, dtype: str, device: DeviceType, efficiency: Efficiency
+) -> float:
+    """Seconds of a blockwise (flash) attention forward that runs ``flops`` matmul FLOPs and
+    ``exponentials`` exponentials on chip and moves ``io_bytes`` (Q, K, V and O) through memory once,
+    in ``dtype`` on ``device`` (the roofline terms of ``_roofline``, added)."""
+    peaks = device.peak_flops
+    peak = peaks.get(dtype) or peaks.get("float32") or max(peaks.values())
+    return (
+        flops / (peak * efficiency.matmul)
+        + exponentials / (peak * efficiency.transcendental)
+        + io_bytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
+    )
+
+
+def masked_by_position(graph: OpGraph, core_ops: Collection[str], constant_ops: Collection[str]) -> bool:
+    """Whether a core attention's scores pass a select whose predicate is computed from positions alone
+    (``constant_ops``: no batch, no parameter; an iota comparison): a causal or banded mask, whose
+    tiles above the diagonal the ring kernels skip. A mask read from the batch (padding) is not."""
+    for name in core_ops:
+        if graph.op(name).primitive != "select_n":
+            continue
+        if any(p in constant_ops and graph.op(p).outputs[0].dtype == "bool" for p in graph.nx.predecessors(name)):
+            return True
+    return False
+
+
+def ring_attention_work(
+    graph: OpGraph,
+    core: AttentionCore,
+    constant_ops: Collection[str],
+    seq_len: int,
+    n: int,
+    share: Callable[[str], float],
+) -> dict:
+    """The forward work of a captured ``core`` attention run by the ring's blockwise kernels over ``n``
+    devices, per device: the keyword arguments of :func:`blockwise_attention_s`. ``share(op)``: the
+    part of captured op ``op`` one device runs (its samples, its tensor-parallel heads). The matmul
+    FLOPs (Q·Kᵀ and P·V) and exponentials are those of the tiles the ring runs (:func:`ring_tile_fraction`,
+    causal where :func:`masked_by_position`); the bytes are Q and K (Q·Kᵀ's operands), V and O (P·V's
+    smaller operand and its output), once."""
+    fraction = ring_tile_fraction(seq_len, n, causal=masked_by_position(graph, core.ops, constant_ops))
+    ends = [graph.op(name) for name in sorted(core.ends)]
+    starts = [graph.op(name) for name in sorted(core.starts)]
+    flops = sum(graph.op(name).flops * share(name) for name in core.starts | core.ends)
+    exponentials = sum(graph.op(name).transcendentals * share(name) for name in core.ops)
+    io = sum(sum(t.nbytes for t in op.inputs) * share(op.name) for op in starts) + sum(
+        (min(t.nbytes for t in op.inputs) + op.outputs[0].nbytes) * share(op.name) for op in ends
+    )
+    return {
+        "flops": flops * fraction,
+        "exponentials": exponentials * fraction,
+        "io_bytes": io,
+        "dtype": compute_dtype(starts[0]),
+    }
+
+
+def square_ops(
+    graph: OpGraph, ops: Iterable[str], core: AttentionCore, constant_ops: Collection[str]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(forward, backward): a layer's ``ops`` that a blockwise attention kernel does not run, because
+    they work on the T × T scores the kernel keeps on chip. Forward: the ``core`` attention (from Q·Kᵀ
+    to P·V) and the position-only ops (``constant_ops``) that build its mask; backward: every op
+    reading or writing a tensor of the scores' size (Q·Kᵀ's output): dP, the softmax's and the mask's
+    backward, and the products of dS and P with Q, K and dO."""
+    ops = list(ops)
+    score_sizes = {graph.op(name).outputs[0].size for name in core.starts}
+    core_ops = set(core.ops)
+    mask = set()
+    for name in core_ops:
+        mask |= {p for p in graph.nx.predecessors(name) if p in constant_ops}
+    frontier = list(mask)
+    while frontier:  # the mask's own producers, all position-only
+        for p in graph.nx.predecessors(frontier.pop()):
+            if p in constant_ops and p not in mask:
+                mask.add(p)
+                frontier.append(p)
+    layer = set(ops)
+    forward = frozenset(core_ops | (mask & layer))
+    backward = frozenset(
+        name
+        for name in ops
+        if (op := graph.op(name)).phase == "backward" and any(t.size in score_sizes for t in (*op.inputs, *op.outputs))
+    )
+    return forward, backward
 
 
 # the formulas of conductor.kernels.scan.scan_state_bytes and scan_carry_bytes, which the cost model

@@ -681,17 +681,18 @@ class CostModel:
         )
 
     def attention_length(self) -> int | None:
-        """T, the sequence length the model's attention sees (the last dim of its ``Q·Kᵀ`` scores),
-        or None if no layer has attention: what context parallelism splits."""
+        """T, the sequence length the model's attention sees (the dim its ``Q·Kᵀ`` scores hold twice,
+        queries and keys, wherever grouped-query attention puts its group; else their last dim), or
+        None if no layer has attention: what context parallelism splits."""
         return self._memo(self._graph_memo, "attention_length", self._attention_length)
 
     def _attention_length(self) -> int | None:
-        lengths = [
-            self.graph.op(name).outputs[0].shape[-1]
+        shapes = [
+            self.graph.op(name).outputs[0].shape
             for index in range(len(self.layers))
             for name in self.attention_core(index).starts
         ]
-        return max(lengths, default=None)
+        return max((max((d for d in s if s.count(d) > 1), default=s[-1]) for s in shapes), default=None)
 
     def context_length(self) -> int | None:
         """T, the sequence length context parallelism splits: the attention's (:meth:`attention_length`),

@@ -22,6 +22,7 @@ from orchestrator.costs import (
     context_parallel_cost,
     ring_permute_bytes,
 )
+from orchestrator.costs._context import RING_BLOCK, masked_by_position, ring_attention_work, ring_tile_fraction
 from recipes import get_recipe
 
 BLOCK = 1  # gpt-tiny's first transformer block (layer 0 is the embedding)
@@ -70,13 +71,19 @@ def test_a_step_exposes_only_the_send_its_block_does_not_hide():
 
 
 def test_each_device_does_the_work_of_m_over_n_samples(tiny):
-    """Under CP n a layer's compute and activations are those of microbatch m/n on one device; an
-    attention layer adds the ring's exposed communication and its K/V blocks' memory."""
+    """Under CP n a layer's compute and activations are those of microbatch m/n on one device, its
+    attention's T × T work run by the ring's blockwise kernels instead; an attention layer adds the
+    ring's exposed communication and its K/V blocks' memory."""
     _, model = tiny
     whole = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=4))
     split = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=8, context_parallel=2))
-    assert split.forward_s == pytest.approx(whole.forward_s)
-    assert split.backward_s == pytest.approx(whole.backward_s)
+    square_f, square_b = model._square_ops(BLOCK)
+    rest_f = whole.forward_s - model._core_time(BLOCK, "a100", 1, 4, square_f)
+    rest_b = whole.backward_s - model._core_time(BLOCK, "a100", 1, 4, square_b, "backward")
+    assert 0 < rest_f < whole.forward_s and 0 < rest_b < whole.backward_s
+    assert split.forward_s == pytest.approx(rest_f + split.breakdown["cp_attention_forward_s"])
+    assert split.backward_s == pytest.approx(rest_b + split.breakdown["cp_attention_backward_s"])
+    assert split.breakdown["cp_attention_backward_s"] == pytest.approx(2.5 * split.breakdown["cp_attention_forward_s"])
     assert split.activation_bytes == pytest.approx(whole.activation_bytes)
     assert split.output_activation_bytes == pytest.approx(whole.output_activation_bytes)
     assert split.param_bytes == whole.param_bytes
@@ -118,6 +125,26 @@ def test_the_model_reads_the_attention_length_and_kv_bytes(tiny):
     assert model.kv_bytes(BLOCK, 2)[0] == nbytes / 2  # TP splits the heads
 
 
+def test_grouped_query_attention_is_split_along_its_sequence():
+    """Llama's grouped-query scores are (B, H_kv, T, T, G), the group last: the model's T is the
+    length they hold twice, and its ring prices the causal tiles of that T."""
+    from recipes import GPTConfig, Recipe
+
+    config = GPTConfig(
+        vocab_size=256, max_seq_len=256, num_layers=2, num_heads=8, d_model=64, llama=True, num_kv_heads=2
+    )
+    recipe = Recipe(name="llama-gqa", config=config, batch_size=1, seq_len=256)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, 256))
+    model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=1, param_axes=recipe.param_axes())
+    assert model.attention_length() == 256
+    core = model.attention_core(BLOCK)
+    work = ring_attention_work(graph, core, model._constant_ops, 256, 4, lambda name: 1 / 4)
+    executed = attention_flops_per_device(
+        256, 4, layout="zigzag", causal=True, batch=1, heads=8, head_dim=8, block_q=RING_BLOCK, block_k=RING_BLOCK
+    )
+    assert work["flops"] == pytest.approx(executed.max())
+
+
 def test_priced_ring_bytes_are_the_compiled_kernels_permutes(tiny):
     """The bytes the cost model prices for gpt-tiny's attention over a ring of 2 are the bytes XLA's
     compiled ring attention (same shapes: B 8, T 64, 4 heads of 16, fp32) sends by collective-permute."""
@@ -144,20 +171,54 @@ def test_priced_ring_bytes_are_the_compiled_kernels_permutes(tiny):
     assert sent == pytest.approx(priced, rel=0.01)
 
 
-def test_priced_attention_work_per_device_is_the_ring_kernels_unmasked_tiles(tiny):
-    """Each device is priced 1/n of the captured attention's matmul FLOPs: exactly the tiles the ring
-    kernels run without a mask, on every device. Under a causal mask the kernels skip the tiles above
-    the diagonal (about half), which the model, reading the plain attention's full square, does not credit."""
+def test_priced_attention_work_per_device_is_the_ring_kernels_tiles(tiny):
+    """1/n of the captured attention's matmul FLOPs are exactly the tiles the ring kernels run without
+    a mask, on every device; gpt-tiny's attention is causal, and the FLOPs priced per device are those
+    of the tiles the kernels run under its mask, at their default blocks (8 × 8 here: chunks of 8)."""
     _, model = tiny
     n, graph = 4, model.graph
     core = model.attention_core(BLOCK)
     matmuls = core.starts | core.ends
-    per_device = sum(graph.op(name).flops for name in matmuls) / n  # the whole batch of 8 at T = 64
-    kernel = attention_flops_per_device(
-        64, n, layout="zigzag", causal=False, batch=8, heads=4, head_dim=16, block_q=16, block_k=16
-    )
-    assert per_device == pytest.approx(kernel[0]) and len(set(kernel.tolist())) == 1
-    causal = attention_flops_per_device(
-        64, n, layout="zigzag", causal=True, batch=8, heads=4, head_dim=16, block_q=16, block_k=16
-    )
+    unmasked = sum(graph.op(name).flops for name in matmuls) / n  # the whole batch of 8 at T = 64
+    shapes = dict(layout="zigzag", batch=8, heads=4, head_dim=16, block_q=RING_BLOCK, block_k=RING_BLOCK)
+    kernel = attention_flops_per_device(64, n, causal=False, **shapes)
+    assert unmasked == pytest.approx(kernel[0]) and len(set(kernel.tolist())) == 1
+    causal = attention_flops_per_device(64, n, causal=True, **shapes)
     assert len(set(causal.tolist())) == 1 and 0.5 < causal[0] / kernel[0] < 0.7  # balanced, about half
+    assert masked_by_position(graph, core.ops, model._constant_ops)
+    work = ring_attention_work(graph, core, model._constant_ops, 64, n, lambda name: 1 / n)  # T/n of each sample
+    assert work["flops"] == pytest.approx(causal[0])
+
+
+def test_the_ring_kernels_block_is_the_cost_models():
+    assert AttentionBlockSizes().block_q == AttentionBlockSizes().block_k == RING_BLOCK
+
+
+@pytest.mark.parametrize(("seq_len", "n", "block"), [(64, 4, 16), (8192, 8, 128), (131072, 16, 128), (4096, 2, 64)])
+def test_the_causal_tile_fraction_is_the_executed_rings(seq_len, n, block):
+    """ring_tile_fraction counts the tiles conductor.kernels.ring runs under a causal mask, over those
+    it runs unmasked: just over half (the diagonal tiles are computed whole)."""
+    shapes = dict(layout="zigzag", batch=1, heads=1, head_dim=1, block_q=block, block_k=block)
+    causal = attention_flops_per_device(seq_len, n, causal=True, **shapes)
+    unmasked = attention_flops_per_device(seq_len, n, causal=False, **shapes)
+    fraction = ring_tile_fraction(seq_len, n, causal=True, block_q=block, block_k=block)
+    assert fraction == pytest.approx(causal.max() / unmasked.max())
+    assert 0.5 < fraction < 0.6
+    assert ring_tile_fraction(seq_len, n, causal=False) == 1.0
+
+
+def test_the_causal_ring_is_priced_at_about_half_the_unmasked_one():
+    """At Llama 3 405B's 128K shapes per tensor-parallel rank (16 query heads, 1 K/V head) over a ring
+    of 16, the block steps of a causal ring compute the executed tiles' FLOPs, about half the unmasked
+    ring's; each ring's communication hides behind its steps, so its whole price halves too."""
+    shapes = dict(batch=1, seq_len=131072, heads=16, kv_heads=1, head_dim=128, n=16, itemsize=2)
+    fast = dict(flops_per_s=9e14, bandwidth_bytes_per_s=5e10, latency_s=5e-6)
+    causal = choose_context_parallel(**shapes, causal=True, **fast)
+    unmasked = choose_context_parallel(**shapes, causal=False, **fast)
+    executed = attention_flops_per_device(
+        131072, 16, layout="zigzag", causal=True, batch=1, heads=16, head_dim=128, block_q=128, block_k=128
+    )
+    assert causal.ring.compute_forward_s == pytest.approx(executed.max() / 9e14)
+    assert causal.ring.compute_backward_s == pytest.approx(2.5 * causal.ring.compute_forward_s)
+    assert causal.ring.compute_forward_s / unmasked.ring.compute_forward_s == pytest.approx(0.5, rel=0.01)
+    assert causal.chosen.time_s / unmasked.chosen.time_s == pytest.approx(0.5, rel=0.05)

@@ -47,8 +47,12 @@ def test_the_table_prices_the_ring_into_the_stage_time(tiny):
     a, b = space.table.entry(block, plain, 1), space.table.entry(block, split, 1)
     # plain: 2 replicas of 4 samples; split: one replica of 8 samples over 2 devices, 4 samples' work each
     cost = tiny.layer_cost(block, "a100", ParallelConfig(microbatch_size=8, context_parallel=2))
-    assert b.time_s == pytest.approx(a.time_s + cost.cp_comm_s)
-    assert b.forward_s == pytest.approx(a.forward_s + cost.breakdown["cp_forward_s"])
+    # and the ring's blockwise kernels run the attention's T × T work in place of the captured ops
+    square_f, square_b = tiny._square_ops(block)
+    swap_f = cost.breakdown["cp_attention_forward_s"] - tiny._core_time(block, "a100", 1, 4, square_f)
+    swap_b = cost.breakdown["cp_attention_backward_s"] - tiny._core_time(block, "a100", 1, 4, square_b, "backward")
+    assert b.time_s == pytest.approx(a.time_s + cost.cp_comm_s + swap_f + swap_b)
+    assert b.forward_s == pytest.approx(a.forward_s + cost.breakdown["cp_forward_s"] + swap_f)
     assert b.activation_bytes == pytest.approx(a.activation_bytes)
     assert b.transient_bytes > a.transient_bytes  # the K/V blocks in flight
 
