@@ -120,10 +120,10 @@ class PublishedRun:
         if not llama and m["ffn_hidden"] != 4 * m["hidden"]:
             reasons.append(f"ffn {m['ffn_hidden']} ≠ 4·hidden")
         if (p.get("cp") or 1) > 1:
-            # fixed(cp=) prices it, but the CP attention's time counts every tile, causal or not
-            # (docs/costs.md), and at 131,072 tokens attention is most of the step, so such a row
-            # is priced far above its measured time
-            reasons.append(f"context parallelism {p['cp']}: its attention priced without the causal tiles it skips")
+            # fixed(cp=) prices it, its attention as the ring's blockwise kernels run the causal tiles,
+            # but at the fitted matmul efficiency, where the run's attention is far slower: at
+            # 131,072 tokens the row is priced about half its measured time (docs/costs.md)
+            reasons.append(f"context parallelism {p['cp']}: its blockwise attention priced far faster than the run's")
         return "; ".join(reasons) or None
 
 
