@@ -340,10 +340,17 @@ def square_ops(
     """(forward, backward): a layer's ``ops`` that a blockwise attention kernel does not run, because
     they work on the T × T scores the kernel keeps on chip. Forward: the ``core`` attention (from Q·Kᵀ
     to P·V) and the position-only ops (``constant_ops``) that build its mask; backward: every op
-    reading or writing a tensor of the scores' size (Q·Kᵀ's output): dP, the softmax's and the mask's
-    backward, and the products of dS and P with Q, K and dO."""
+    reading or writing a tensor of the scores' size (Q·Kᵀ's output) that holds their length T twice:
+    dP, the softmax's and the mask's backward, and the products of dS and P with Q, K and dO (an
+    activation of the same size by chance, an MLP's B·T·4d where 4d = H·T, holds T once)."""
     ops = list(ops)
-    score_sizes = {graph.op(name).outputs[0].size for name in core.starts}
+    scores = [graph.op(name).outputs[0] for name in core.starts]
+    score_sizes = {spec.size for spec in scores}
+    lengths = {max((d for d in spec.shape if spec.shape.count(d) > 1), default=spec.shape[-1]) for spec in scores}
+
+    def square(spec) -> bool:
+        return spec.size in score_sizes and any(spec.shape.count(length) > 1 for length in lengths)
+
     core_ops = set(core.ops)
     mask = set()
     for name in core_ops:
@@ -359,7 +366,7 @@ def square_ops(
     backward = frozenset(
         name
         for name in ops
-        if (op := graph.op(name)).phase == "backward" and any(t.size in score_sizes for t in (*op.inputs, *op.outputs))
+        if (op := graph.op(name)).phase == "backward" and any(square(t) for t in (*op.inputs, *op.outputs))
     )
     return forward, backward
 

@@ -95,6 +95,22 @@ def test_each_device_does_the_work_of_m_over_n_samples(tiny):
     assert embedding.cp_form is None and embedding.cp_comm_s == 0.0  # no attention: the tokens split, nothing moves
 
 
+def test_the_ops_the_ring_replaces_are_the_attentions_alone(tiny):
+    """The captured ops the blockwise kernels replace work on gpt-tiny's (8, 4, 64, 64) scores: the core,
+    the mask built from positions, and the backward ops on a tensor holding T = 64 twice; its MLP's
+    (8, 64, 256) activations have the scores' size but hold T once, and are not replaced."""
+    _, model = tiny
+    graph, core = model.graph, model.attention_core(BLOCK)
+    square_f, square_b = model._square_ops(BLOCK)
+    assert core.ops <= square_f and any(graph.op(name).primitive == "iota" for name in square_f - core.ops)
+    assert square_b and all(graph.op(name).phase == "backward" for name in square_b)
+    for name in square_b:
+        op = graph.op(name)
+        assert any(t.shape.count(64) == 2 for t in (*op.inputs, *op.outputs))
+    mlp = [name for name in model.layers[BLOCK].ops if (8, 64, 256) in [t.shape for t in graph.op(name).outputs]]
+    assert mlp and not set(mlp) & (square_f | square_b)
+
+
 def test_gradients_sync_over_data_and_context_ranks(tiny):
     _, model = tiny
     link = Link(bandwidth_bytes_per_s=1e9, latency_s=1e-6)
