@@ -323,24 +323,52 @@ def bench_published(*, plan: bool = True, time_limit_s: float = 60.0, progress=N
     return {"a100_scale": scale, "rows": rows, "summary": summary}
 
 
-def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
-    """The planner's own plan of the run's model on the run's cluster."""
-    from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
+def plan_options(run: PublishedRun) -> dict[str, Any]:
+    """What :func:`_planned` passes to ``plan()`` beyond the model and the batch: the options the
+    published configuration is priced with (as :func:`price` reads them: Llama 3's FSDP as ZeRO),
+    each stage priced with them, and a pipeline at least as deep as the published one."""
+    p = run.parallel
+    return {
+        "max_stages": max(16, p["pp"]),
+        "zero": bool(p.get("zero")) or bool(p.get("fsdp")),
+        "sequence_parallel": bool(p.get("sequence_parallel")),
+        "selective_recompute": p["recompute"] == "selective",
+        "overlap_param_gather": bool(p.get("overlap_param_gather")),
+    }
 
+
+def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
+    """The planner's own plan of the run's model on the run's cluster, searched in the space of
+    :func:`plan_options` from the published configuration (at v = 1) as a start, so the plan is
+    priced no slower than the published configuration's plain schedule."""
+    from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
+    from orchestrator.planner._groups import GroupConfig
+
+    p = run.parallel
+    M = run.global_batch // (p["dp"] * (p["microbatch_size"] or 1))
+    group = GroupConfig(
+        device_type=run.gpu_type, size=p["tp"] * p["dp"], tp=p["tp"], recompute=p["recompute"] == "full"
+    )
     try:
         found = plan(
             model,
             global_batch=run.global_batch,
             time_limit_s=time_limit_s,
-            zero=bool(run.parallel.get("zero")),
+            start=(published_stages(run, len(model.layers)), [group] * p["pp"], M),
             virtual_stages=True,  # published runs interleave, so the planner may too
+            **plan_options(run),
         )
     except (PlanInfeasible, PlanNotFound) as err:
         return {"planned_s": None, "plan_error": str(err).splitlines()[0]}
     stages = found.stages
+    # the space names stages by (type, devices, tp, recompute) and bounds plain schedules (v = 1), so
+    # the published configuration is looked up without its virtual stages and its pricing options
+    published = (run.gpu_type, group.size, group.tp, group.recompute)
     return {
         "planned_s": found.iteration_s,
         "planned_gap": found.gap,
+        "space_contains_published": found.space is not None
+        and found.space.contains(microbatches=M, stages=[published] * p["pp"]),
         "planned": f"{len(stages)} stages, TP {'/'.join(str(s.tp) for s in stages)}, "
         f"DP {'/'.join(str(s.dp) for s in stages)}, M {found.microbatches}, v {found.virtual_stages}",
     }

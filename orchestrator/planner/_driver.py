@@ -75,6 +75,9 @@ def plan(
     mixed_stages: bool | None = None,
     memory_headroom: float = MEMORY_HEADROOM,
     virtual_stages: bool = False,
+    sequence_parallel: bool = False,
+    selective_recompute: bool = False,
+    overlap_param_gather: bool = False,
     options: SearchOptions | None = None,
     deadline: Deadline | None = None,
     progress: Observer | None = None,
@@ -123,6 +126,9 @@ def plan(
       virtual_stages: also price the plan found under interleaved 1F1B with v > 1 model chunks
         per stage and keep the fastest (``_make_plan``; its gap covers plain schedules). Off by
         default; the Flax pipeline runs v > 1 (``integrations.torch_xla`` runs one-stage plans only).
+      sequence_parallel, selective_recompute, overlap_param_gather: price every stage with that
+        option (``search_space``), as a published configuration is priced; off by default, as
+        ``integrations.torch_xla.apply`` runs none of them.
       options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
       deadline: when given, the wall-clock cap of the call (a :class:`Deadline` that started
         earlier, e.g. with a command that captured the model first; the work budget is then at
@@ -160,7 +166,15 @@ def plan(
     options = options or SearchOptions()
     mixed = options.offers_mixed(model.cluster, mixed_stages)
     space = search_space(
-        model, global_batch, recompute=recompute, zero=zero, mixed=mixed, memory_headroom=memory_headroom
+        model,
+        global_batch,
+        recompute=recompute,
+        zero=zero,
+        mixed=mixed,
+        memory_headroom=memory_headroom,
+        sequence_parallel=sequence_parallel,
+        selective_recompute=selective_recompute,
+        overlap_param_gather=overlap_param_gather,
     )
     max_stages = min(max_stages or 16, space.layers, len(model.cluster.devices()))
     candidates = microbatch_counts(global_batch, microbatch_candidates)

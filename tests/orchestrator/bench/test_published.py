@@ -1,12 +1,16 @@
 """``orchestrator bench published``: which runs are fitted, and a published configuration priced."""
 
+import functools
+
 import pytest
 
 from orchestrator.bench._gpu_efficiency import fit_report, gpu_efficiency
 from orchestrator.bench._published import (
+    _planned,
     efficiency_for,
     fitting_runs,
     load_runs,
+    plan_options,
     price,
     published_stages,
     run_cluster,
@@ -60,33 +64,73 @@ def test_an_inter_stage_transfer_spreads_over_the_senders_links():
     assert eight - link.latency_s == pytest.approx((one - link.latency_s) / 8)
 
 
-@pytest.mark.parametrize("run_id", ["megatron-sc21-gpt-145.6b", "megatron-sc21-gpt-310.1b", "korthikanti-175b"])
-def test_the_planners_space_contains_the_published_configuration(run_id):
-    """DP 24 and DP 15 on whole hosts, M = 48 and 144 (not powers of two), PP up to 16: in the space
-    the planner searches by default for that batch on that cluster (the model's width does not
-    change the space, so a narrow GPT of the run's depth stands in for it)."""
-    import dataclasses
-
+@functools.cache
+def _narrow(blocks: int):
+    """A narrow GPT of ``blocks`` blocks, captured: (graph, layers, param axes)."""
     from integrations.flax import capture
     from orchestrator.coarsen import coarsen
-    from orchestrator.costs import CostModel
-    from orchestrator.planner._space import microbatch_counts, search_space
     from recipes import GPTConfig, Recipe
+
+    config = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=blocks, num_heads=2, d_model=16)
+    recipe = Recipe(name="narrow", config=config, batch_size=1, seq_len=16)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, 16))
+    return graph, coarsen(graph), recipe.param_axes()
+
+
+def _stand_in(run, blocks: int):
+    """The cost model of a narrow GPT of ``blocks`` blocks on the run's cluster."""
+    from orchestrator.costs import CostModel
+
+    graph, layers, axes = _narrow(blocks)
+    return CostModel(graph, layers, run_cluster(run), batch_size=1, param_axes=axes)
+
+
+@pytest.mark.parametrize("run_id", [run.id for run in load_runs() if not run.unsupported()])
+def test_the_planners_space_contains_the_published_configuration(run_id):
+    """Every priced run's configuration (DP 24, 15, 9 on whole hosts; M = 48, 144 and other counts
+    that are not powers of two; PP up to 64) lies in the space ``bench published`` plans it in: the
+    groups ``search_space`` offers with the run's options (``plan_options``), every divisor of the
+    batch as M, and ``plan()``'s depth limit at the run's own depth (embedding, blocks, head). The
+    groups do not depend on the model's width or depth, so two narrow blocks stand in for the model.
+    The space's stages carry no virtual-stage count or pricing option, so a run's configuration is
+    looked up at v = 1 and by (type, devices, tp, recompute)."""
+    import dataclasses
+
+    from orchestrator.planner._space import microbatch_counts, search_space
 
     run = next(r for r in load_runs() if r.id == run_id)
     p = run.parallel
-    config = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=run.model["layers"], num_heads=2, d_model=16)
-    recipe = Recipe(name="narrow", config=config, batch_size=1, seq_len=16)
-    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, 16))
-    model = CostModel(graph, coarsen(graph), run_cluster(run), batch_size=1, param_axes=recipe.param_axes())
-    space = search_space(model, run.global_batch, recompute=True, zero=bool(p["zero"]), mixed=False)
-    max_stages = min(16, space.layers, len(model.cluster.devices()))  # plan()'s default
+    options = plan_options(run)
+    model = _stand_in(run, 2)
+    space = search_space(
+        model,
+        run.global_batch,
+        recompute=True,
+        mixed=False,
+        **{k: v for k, v in options.items() if k != "max_stages"},
+    )
+    depth = run.model["layers"] + 2
+    max_stages = min(options["max_stages"], depth, len(model.cluster.devices()))  # as plan() limits it
     covered = space.coverage(microbatch_counts(run.global_batch), max_stages)
     stage = (run.gpu_type, p["tp"] * p["dp"], p["tp"], p["recompute"] == "full")
-    M = run.global_batch // (p["dp"] * p["microbatch_size"])
+    M = run.global_batch // (p["dp"] * (p["microbatch_size"] or 1))
+    assert p["pp"] <= max_stages
     assert covered.contains(microbatches=M, stages=[stage] * p["pp"])
     assert not covered.contains(microbatches=M, stages=[stage] * (max_stages + 1))
-    assert not dataclasses.replace(covered, microbatches=(1, 2, 4)).contains(microbatches=M, stages=[stage])
+    others = tuple(m for m in covered.microbatches if m != M)
+    assert not dataclasses.replace(covered, microbatches=others).contains(microbatches=M, stages=[stage])
+
+
+def test_the_plan_of_a_published_run_is_no_slower_and_its_space_holds_the_run():
+    """Korthikanti et al.'s 175B (PP 8, sequence parallelism, selective recompute, M 64), a narrow
+    GPT of 16 blocks standing in: the plan ``bench published`` makes starts from the published
+    configuration, so it is priced no slower, and the space its gap covers holds that configuration."""
+    run = next(r for r in load_runs() if r.id == "korthikanti-175b")
+    model = _stand_in(run, 16)
+    published = price(run, model)
+    planned = _planned(run, model, time_limit_s=1.0)
+    assert planned["space_contains_published"]
+    assert planned["planned_s"] <= published["priced_s"]
 
 
 def test_a_run_is_priced_with_its_virtual_stages():
