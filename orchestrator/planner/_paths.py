@@ -15,9 +15,12 @@ p = 0..S−1 count from the end of the pipeline (k_p = min(M, p + 1) microbatche
 1F1B, M under GPipe). For shape v on group g, per microbatch: c[v,g] time (forward, backward,
 recompute, TP all-reduces), f[v,g] its forward part, b = c − f, e[v,g] gradient sync and optimizer
 step. Column x[p,v,g] ∈ [0,1] exists where v fits g's memory at position p (every part q of a
-mixed group: Σ σ + k_p·Σ α + max ρ ≤ mem_q, over the layers of v) and M·c[v,g] is below the
-cutoff (a stage that slow makes the step slower than the incumbent). The first stage's shapes
-start at layer 0, the last stage's end at the last layer:
+mixed group: Σ σ + k_p·Σ α + max ρ ≤ mem_q, over the layers of v) and its own bound o[p,v,g] is
+below the cutoff: the least step of any plan with that stage at p, read off the rows below for that
+stage alone (at least M·c[v,g]; its sync and optimizer after its M microbatches, its links' 2M
+transfers, the least compute of the layers before and after it on their fastest groups;
+:meth:`StageColumns.own_ms`), so a stage whose own bound reaches the cutoff makes the step slower
+than the incumbent. The first stage's shapes start at layer 0, the last stage's end at the last layer:
 
     Σ_{v,g} x[p,v,g] = 1                             one stage at each position
     Σ_{p,v,g} n_r(v)·x[p,v,g] = n_r                  every layer of run r placed once
@@ -49,8 +52,9 @@ sync and optimizer on position S−1's group.) Every plan of S stages whose stag
 most the cutoff / M gives a point of this LP with Z its step time, so the least Z bounds it; a
 plan with a slower stage is above the cutoff. The bound is therefore min(LP, cutoff) — and the
 cutoff itself, closing the piece, when the LP is infeasible or reaches it. Three things make it
-tighter or faster, each its own method: a bisection on the bottleneck T (columns slower than T
-closed: min(M·T, Z(T)) bounds every plan, :meth:`StageColumns.bound_s`), the same model with whole
+tighter or faster, each its own method: a bisection on the bottleneck T (columns whose own bound
+exceeds M·T closed, those slower than T among them: a plan holding one takes more than M·T, so
+min(M·T, Z(T)) bounds every plan, :meth:`StageColumns.bound_s`), the same model with whole
 columns as a MIP (:meth:`StageColumns.integer_bound_s`, whose solution, laid end to end, is a plan
 to price), and dropping the columns another column of the same shape beats on every row while
 taking no more devices (:meth:`StageColumns._dominance`).
@@ -145,6 +149,13 @@ class StageColumns:
         n = self.counts.astype(float)
         self.time, self.forward, self.after = n @ time, n @ forward, n @ after  # [v, g]
         self.last_backward = time[-1] - forward[-1] if runs else np.zeros(len(groups))  # [g]
+        # [v]: the least compute (and forward) of one microbatch through the layers before shape v and
+        # after it, each layer on its fastest group: what the stages upstream and downstream take at least
+        before, after_it = self._outside()
+        least, least_forward = time.min(axis=1, initial=np.inf), forward.min(axis=1, initial=np.inf)
+        if not groups:
+            least, least_forward = np.zeros(len(runs)), np.zeros(len(runs))
+        self.before, self.before_forward, self.after_it = before @ least, before @ least_forward, after_it @ least
         # the first layer's sync after its stage's drain (a row only when it is a run of its own)
         self.first_tail = (
             (microbatches - 1) * (time[0] - forward[0]) + after[0] if runs and runs[0].count == 1 else None
@@ -159,6 +170,58 @@ class StageColumns:
         self._priced_beaten_by = None  # (``_price_dominance``, built when first needed)
         # answers by (mask, kind): one per in-flight count, as the cutoff is fixed for a search (read from threads)
         self._undominated: dict[tuple[bytes, bool], np.ndarray] = {}
+
+    def own_ms(self, position: int, stages: int) -> np.ndarray:
+        """[v, g] (ms): the least step of any plan of ``stages`` stages with shape v on group g at
+        ``position`` (from the end), from the rows of the module docstring read off that stage alone:
+        the other stages enter only through the layers before and after it (``before``, ``after_it``:
+        each at its fastest group's time), every other term being non-negative. With K its in-flight
+        count and d = K − 1 (0 under GPipe), U the upstream and D the downstream least compute:
+
+            U + M·c                          fill ahead of it (E_s ≥ U^f_s + M·c_s, then U^b_s)
+            U^f + (M−1)·c + f + e [+ b_last]   its sync and optimizer after its last backward
+            U + D + M·c − d·f                the whole round trip
+            U^f + c + 2M·π^out               its outgoing link (position ≥ 1; GPipe: 2M·π^out)
+            2M·π^in                          its incoming link (all but the first stage)
+            c + D + (M−1)·b₀ + e₀            the first layer's sync (the first stage, layer 0 a run of its own)
+
+        A plan with that column there takes at least this long, so a column whose own bound reaches
+        the cutoff is never made, and one above M·T is closed with the columns slower than T."""
+        M = self.M
+        K = in_flight(self.schedule, M, stages, stages - 1 - position)
+        d = 0 if self.schedule == "gpipe" else K - 1
+        U, Uf, D = self.before[:, None], self.before_forward[:, None], self.after_it[:, None]
+        tail = Uf + (M - 1) * self.time + self.forward + self.after
+        if position == 0:
+            tail = tail + self.last_backward[None, :]
+        own = np.maximum.reduce([U + M * self.time, tail, U + D + M * self.time - d * self.forward])
+        if position >= 1:  # it sends to the stage after it
+            own = np.maximum(own, (Uf + self.time if self.schedule != "gpipe" else 0.0) + 2 * M * self.send)
+        if position < stages - 1:  # it receives from the stage before it
+            own = np.maximum(own, 2 * M * self.receive)
+        if position == stages - 1 and self.first_tail is not None:
+            own = np.maximum(own, self.time + D + self.first_tail[None, :])
+        return own
+
+    def _outside(self) -> tuple[np.ndarray, np.ndarray]:
+        """([v, r], [v, r]): how many layers of each run lie before shape v, and after it, at least (a
+        shape inside one run may start anywhere in it: only the runs before and after count)."""
+        held = self.counts > 0
+        R = len(self.runs)
+        n = np.array([run.count for run in self.runs], dtype=float)
+        before, after = np.zeros(self.counts.shape), np.zeros(self.counts.shape)
+        if not R:
+            return before, after
+        first = np.argmax(held, axis=1)
+        last = R - 1 - np.argmax(held[:, ::-1], axis=1)
+        spans = held.sum(axis=1) > 1
+        for v in range(len(self.counts)):
+            before[v, : first[v]] = n[: first[v]]
+            after[v, last[v] + 1 :] = n[last[v] + 1 :]
+            if spans[v]:  # the tail of its first run and the head of its last
+                before[v, first[v]] = n[first[v]] - self.counts[v, first[v]]
+                after[v, last[v]] = n[last[v]] - self.counts[v, last[v]]
+        return before, after
 
     def _transfer_floors(self, table: CostTable, links) -> tuple[np.ndarray, np.ndarray]:
         """[v, g] (ms): the least transfer shape v on group g sends to the next stage (its last
@@ -270,8 +333,8 @@ class StageColumns:
         """A lower bound (s) on the step of every plan of exactly ``stages`` stages, at most the
         cutoff (+inf when no plan of that many stages fits, which only shows without a cutoff).
 
-        A plan whose slowest stage computes more than T per microbatch takes more than M·T, and
-        one whose stages all compute within T takes at least Z(T), the LP with the slower columns
+        A plan holding a column whose own bound (:meth:`own_ms`, at least M times its time) exceeds
+        M·T takes more than M·T, and any other plan takes at least Z(T), the LP with those columns
         closed. So min(M·T, Z(T)) bounds every plan, for every T; Z falls as T grows, and a
         bisection of at most ``probes`` solves looks for the crossing."""
         bound, refine = self.first_bound_s(stages, cutoff_s=cutoff_s)
@@ -416,11 +479,12 @@ class _PositionsLP:
     def __init__(self, columns: StageColumns, stages: int, *, cutoff_ms: float, priced: bool = False):
         self.c, self.S = columns, stages
         M, S = columns.M, stages
-        slow_enough = M * columns.time < cutoff_ms  # [v, g]
         cells = []  # (position, shape, group) of every column
+        own = []  # [v, g] per position: the least step of any plan with that column there
         for p in range(S):
             k = in_flight(columns.schedule, M, S, S - 1 - p)
-            allowed = slow_enough & (columns.most_in_flight >= k)
+            own.append(columns.own_ms(p, S))
+            allowed = (own[p] < cutoff_ms) & (columns.most_in_flight >= k)
             allowed = columns.undominated(allowed, priced=priced)
             if p == S - 1:
                 allowed &= columns.starts[:, None]
@@ -431,7 +495,8 @@ class _PositionsLP:
         self.position = np.concatenate([c[0] for c in cells])
         self.shape = np.concatenate([c[1] for c in cells])
         self.group = np.concatenate([c[2] for c in cells])
-        self.stage_ms = columns.time[self.shape, self.group]
+        # each column's own bound over M: closing those above T closes every column M·T cannot pay for
+        self.stage_ms = np.stack(own)[self.position, self.shape, self.group] / M if len(self.position) else np.zeros(0)
         self.empty = any(not np.any(self.position == p) for p in range(S))
         self.highs = None if self.empty else self._load()
 

@@ -113,6 +113,36 @@ def test_column_bounds_never_exceed_the_best_plan_of_each_stage_count(schedule):
     assert statistics.median(ratios) >= 0.99, sorted(ratios)[:10]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_columns_own_bound_never_exceeds_a_plan_that_holds_it(schedule):
+    """Every plan of S stages, fitting or not, takes at least the own bound of each of its stages' columns
+    at its position (what the bisection closes a column by), and some own bounds exceed M·c."""
+    checked = above = 0
+    for seed in range(8):
+        space = search_space(random_instance(seed), BATCH, recompute=True)
+        for M in (1, 4):
+            columns = _columns(space, M, schedule)
+            shape_of = {tuple(row): v for v, row in enumerate(columns.counts)}
+            run_of = {layer: r for r, run in enumerate(space.runs) for layer in run.layers}
+            for S in range(1, min(3, space.layers) + 1):
+                own = [columns.own_ms(p, S) for p in range(S)]
+                for stages in _partitions(space.layers, S):
+                    shapes = [shape_of[tuple(np.bincount([run_of[l] for l in layers], minlength=len(space.runs)))]
+                              for layers in stages]  # fmt: skip
+                    for chosen in itertools.product(columns.groups, repeat=S):
+                        ev = evaluate(
+                            list(stages), list(chosen), M, table=space.table, infos=space.infos,
+                            schedule=schedule, links=space.links, report_infeasible=False,
+                        )  # fmt: skip
+                        for s, (v, group) in enumerate(zip(shapes, chosen)):
+                            g = columns.groups.index(group)
+                            bound = own[S - 1 - s][v, g]
+                            assert bound <= ev.iteration_s * 1e3 * (1 + 1e-6), (seed, M, S, s, bound, ev.iteration_s)
+                            checked += 1
+                            above += bound > M * columns.time[v, g] * (1 + 1e-6)
+    assert checked > 1000 and above > checked // 10, (checked, above)
+
+
 def test_column_lp_is_at_least_the_packing_bound_of_its_stage_count():
     """Each column LP is the packing LP restricted to whole stages, one per position: never weaker."""
     checked = stronger = 0
