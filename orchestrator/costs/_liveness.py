@@ -14,7 +14,8 @@ ops fuse into the ops that read them and are recomputed there. We model that:
   ``0.5·(1 + tanh(…))`` from the kept ``tanh``: XLA recomputes it at no memory
   cost);
 * an all-reduce is out of place: while it runs, its input and its result
-  both hold a buffer;
+  both hold a buffer; an in-place update (a scatter-add into zeros) owns its
+  operand's buffer, so a broadcast only such updates read holds none of its own;
 * a fused value occupies no memory, but keeps the values it is computed from
   alive until its own last use (that is what recomputation needs).
 
@@ -40,6 +41,21 @@ residual — with at least ``YNN_MIN_ELEMENTS`` of them on a device holds a seco
 With it the error against ``memory_analysis()`` does not step at the threshold; a shortfall that
 does not depend on size remains on XLA:CPU and is not modelled (``orchestrator bench fidelity``
 reports the model against ``memory_analysis()``).
+
+XLA:GPU fuses more (``xla_gpu=True``; the cost model's rule on clusters that are not CPU ones),
+as its buffer assignment for the recipe's bf16 GPT block shows (H100, jax 0.11, ``--xla_dump_to``):
+
+* a reduction reads its elementwise producers inside its own fusion (XLA:GPU's input fusions),
+  so a reader that is a reduction does not make a value a buffer;
+* a forward value the backward reads is recomputed in each reader from the buffers it is
+  computed from, unless it is *expensive* (``tanh``, ``log``, ``erf``, …; ``exp``, ``div``,
+  ``sqrt`` and ``rsqrt`` only below float32, as ``GpuInstructionFusion::IsExpensive`` says),
+  which keeps its buffer as on CPU. A LayerNorm computed in float32 from a bf16 input thus
+  keeps the bf16 input and its per-row statistics, not its float32 ``x − mean`` and normalised
+  values; GELU's ``tanh`` in bf16 keeps its buffer.
+
+Either way, a value from outside ``ops`` (the layer's input) that an op of the backward still
+reads, directly or through fused values, is held until then: it counts in the boundary.
 """
 
 from __future__ import annotations
@@ -62,13 +78,37 @@ _UNFUSIBLE_PRIMITIVES = frozenset(
 )
 
 
+# ops that read only the operand elements they return, not the whole operand
+_GATHERS = frozenset({"gather", "dynamic_slice", "slice"})
+# ops that update their operand's buffer in place (XLA aliases output and operand)
+_IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "dynamic_update_slice"})
+
+
+# XLA's InstructionFusion::IsExpensive for elementwise ops: fusing one into several readers
+# computes it again in each, so XLA keeps its buffer instead
+_EXPENSIVE = frozenset(
+    {"atan2", "cbrt", "cos", "div", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "log", "log1p",
+     "logistic", "pow", "rem", "rsqrt", "sin", "sqrt", "tan", "tanh"}
+)  # fmt: skip
+# GpuInstructionFusion::IsExpensive: cheap on a GPU in float32 and float16
+_CHEAP_ON_GPU = frozenset({"div", "exp", "rsqrt", "sqrt"})
+
+
 def fusible(graph: OpGraph, name: str) -> bool:
     op = graph.op(name)
     return op.kind in _FUSIBLE_KINDS and op.primitive not in _UNFUSIBLE_PRIMITIVES
 
 
-def materialized_ops(graph: OpGraph, order: Iterable[str] | None = None) -> dict[str, bool]:
-    """Whether each op's output gets a buffer of its own (rules in the module docstring)."""
+def _expensive_on_gpu(graph: OpGraph, name: str) -> bool:
+    op = graph.op(name)
+    if op.primitive in _CHEAP_ON_GPU:
+        return not op.outputs or op.outputs[0].dtype not in ("float32", "float16")
+    return op.primitive in _EXPENSIVE
+
+
+def materialized_ops(graph: OpGraph, order: Iterable[str] | None = None, *, xla_gpu: bool = False) -> dict[str, bool]:
+    """Whether each op's output gets a buffer of its own (rules in the module docstring; ``xla_gpu``:
+    XLA:GPU's)."""
     order = list(graph.nx.nodes) if order is None else list(order)
     members = set(order)
     readers = {n: [c for c in graph.nx.successors(n) if c in members] for n in order}
@@ -86,22 +126,22 @@ def materialized_ops(graph: OpGraph, order: Iterable[str] | None = None) -> dict
         p = preds[0]
         return crosses(p) if out[p] else recomputable(p)
 
+    def needs_buffer(reader: str) -> bool:
+        # XLA:GPU's input fusions compute a reduction's elementwise operands inside it
+        return not fusible(graph, reader) and not (xla_gpu and graph.op(reader).kind == "reduction")
+
     def is_materialized(n: str) -> bool:
-        if not readers[n] or not fusible(graph, n) or any(not fusible(graph, c) for c in readers[n]):
+        if not readers[n] or not fusible(graph, n) or any(needs_buffer(c) for c in readers[n]):
             return True
         if graph.op(n).primitive in _FREE_VIEWS:
             return False
+        if xla_gpu:
+            return crosses(n) and len(readers[n]) > 1 and _expensive_on_gpu(graph, n)
         return crosses(n) and len(readers[n]) > 1 and not recomputable(n)
 
     for n in order:
         out[n] = is_materialized(n)
     return out
-
-
-# ops that read only the operand elements they return, not the whole operand
-_GATHERS = frozenset({"gather", "dynamic_slice", "slice"})
-# ops that update their operand's buffer in place (XLA aliases output and operand)
-_IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "dynamic_update_slice"})
 
 
 def traffic_bytes(graph: OpGraph) -> dict[str, float]:
@@ -139,7 +179,8 @@ class Liveness:
         (values some op reads; program outputs are apart).
       boundary_bytes: live bytes held by forward values that the backward
         pass still needs, at the moment the first backward op starts
-        (the activations a pipeline keeps per in-flight microbatch).
+        (the activations a pipeline keeps per in-flight microbatch), the
+        values from outside ``ops`` it still reads included.
       output_bytes: materialized values nothing reads (program outputs).
     """
 
@@ -155,6 +196,7 @@ def liveness(
     allreduced: frozenset[str] = frozenset(),
     row_fusion_elements: float | None = None,
     recomputed: frozenset[str] = frozenset(),
+    xla_gpu: bool = False,
 ) -> Liveness:
     """Simulate buffer lifetimes over ``ops`` (default: all) in execution order.
 
@@ -162,6 +204,7 @@ def liveness(
     ``row_fusion_elements``: XLA:CPU's YNNPACK threshold (``ROW_FUSION_ELEMENTS``; None: not
     modelled): a kept forward residual computed from a per-row statistic that has at least this
     many elements on a device holds a second buffer of its size (module docstring).
+    ``xla_gpu``: XLA:GPU's fusion rules (module docstring).
     """
     order = list(graph.nx.nodes) if ops is None else list(ops)
     members = set(order)
@@ -169,12 +212,23 @@ def liveness(
     g = graph.nx
     readers = {n: [c for c in g.successors(n) if c in members] for n in order}
 
-    materialized = materialized_ops(graph, order)
+    materialized = materialized_ops(graph, order, xla_gpu=xla_gpu)
+    for n in order:  # a view only in-place updates read is written straight into the buffer they own
+        if graph.op(n).primitive in _FREE_VIEWS and readers[n]:
+            materialized[n] &= not all(graph.op(c).primitive in _IN_PLACE for c in readers[n])
     # last_use[n]: position after which n's buffer (or, if fused, its inputs) may be freed
     last_use: dict[str, int] = {}
     for n in reversed(order):
         uses = [position[c] if materialized[c] else last_use[c] for c in readers[n]]
         last_use[n] = max(uses, default=position[n])
+    first_backward = next((i for i, n in enumerate(order) if graph.op(n).phase == "backward"), None)
+    # values from outside ``ops`` (the layer's input) that the backward still reads: (bytes, last use)
+    held_inputs: dict[str, tuple[float, int]] = {}
+    for p in {p for n in order for p in g.predecessors(n) if p not in members}:
+        reads = [c for c in g.successors(p) if c in members]
+        last = max(position[c] if materialized[c] else last_use[c] for c in reads)
+        if first_backward is not None and last >= first_backward and graph.op(p).phase == "forward":
+            held_inputs[p] = (max(g.edges[p, c]["bytes"] for c in reads) * scale(p), last)
 
     def size(n: str) -> float:
         own = sum(t.nbytes for t in graph.op(n).outputs) * scale(n)
@@ -198,10 +252,12 @@ def liveness(
 
     frees: dict[int, float] = {}
     live = peak = boundary = outputs = 0.0
-    first_backward = next((i for i, n in enumerate(order) if graph.op(n).phase == "backward"), None)
+    for nbytes, last in held_inputs.values():  # live from the layer's start, freed after their last read
+        live += nbytes
+        frees[last] = frees.get(last, 0.0) + nbytes
     for i, n in enumerate(order):
         if i == first_backward:
-            boundary = sum(
+            boundary = sum(nbytes for nbytes, _ in held_inputs.values()) + sum(
                 size(m)
                 for m in order[:i]
                 if materialized[m]

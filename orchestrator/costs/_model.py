@@ -34,7 +34,8 @@ for which ops tensor parallelism splits, ``_liveness`` for activation memory):
                         values under selective recompute; under weights_once without values
                         computed from parameters alone, which are the step's one compute copy)
     transient         = peak of the layer's own forward+backward temporaries (its outputs apart) minus the above
-                        (on CPU clusters, ``shared_cores`` set, with XLA:CPU's YNNPACK size rule, ``_liveness``)
+                        (on CPU clusters, ``shared_cores`` set, with XLA:CPU's YNNPACK size rule; on
+                        the others with XLA:GPU's fusion rules, ``_liveness``)
 
 An op works on the batch if its output depends on it or it reads a value that
 does: a weight gradient x^T·dy has a parameter's shape, but its FLOPs grow with
@@ -549,8 +550,9 @@ class CostModel:
             ops,
             scale=lambda n: self._scale(n, tp, microbatch, sp),
             allreduced=self.traits_for(tp).allreduce_ops if tp > 1 else frozenset(),
-            # XLA:CPU's YNNPACK rule; other compilers have no such threshold
+            # XLA:CPU's YNNPACK rule on CPU clusters; XLA:GPU's fusion rules on the others
             row_fusion_elements=YNN_MIN_ELEMENTS if self.cluster.shared_cores is not None else None,
+            xla_gpu=self.cluster.shared_cores is None,
             recomputed=self.attention_core(index).dropped if selective else frozenset(),
         )
         kept = result.boundary_bytes

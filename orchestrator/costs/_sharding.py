@@ -39,6 +39,9 @@ remembers S, the global size of its split dim:
 * a gather from a row-split table (an embedding lookup in a vocabulary-split
   table) has no dim of size S in its output: each device looks up the rows it
   holds, zeros elsewhere, and the output is **all-reduced**;
+* its backward, a scatter-add into a table of that table's shape, is split: each
+  device adds into the rows it holds (Megatron's vocabulary-parallel embedding;
+  XLA's partitioner shards it as the gradient it becomes), with no collective;
 * any other op is split if one of its inputs is (a reshape carries S to the
   output dim that now holds the split one), and so is an op that reads a
   column- or row-parallel parameter alone (its cast to the compute dtype, its
@@ -92,6 +95,7 @@ _PARAM_ROLES = ("column", "row", "param")
 _SPLIT_ROLES = ("sharded", "column", "row")
 # Ops that can drop a split dim: the devices then hold partial results.
 _GATHERS = frozenset({"gather"})
+_SCATTER_ADDS = frozenset({"scatter-add", "scatter_add"})
 _RESHAPES = frozenset({"reshape"})
 
 
@@ -246,6 +250,7 @@ def tensor_parallel_traits(
     roles: dict[str, Role] = {}
     sizes: dict[str, int] = {}  # S: global size of a split output's split dim
     split, allreduce = set(), set()
+    lookups: dict[tuple[int, ...], int] = {}  # shape of each row-split table looked up → its S
     g = graph.nx
     for op in graph.ops():
         preds = list(g.predecessors(op.name))
@@ -276,6 +281,11 @@ def tensor_parallel_traits(
         elif op.primitive in _GATHERS and (activation or external) and "row" in inputs and dropped:
             role = "replicated"  # each device looks up the rows it holds
             allreduce.add(op.name)
+            lookups[op.inputs[0].shape] = size
+        elif op.primitive in _SCATTER_ADDS and lookups.get(out_shape) is not None:
+            role = "sharded"  # a lookup's backward: each device adds into the rows it holds
+            split.add(op.name)
+            size = lookups[out_shape]
         elif sharded:
             role = "sharded"
             split.add(op.name)

@@ -28,7 +28,7 @@ from orchestrator.costs import (
     sharded_dim,
     tensor_parallel_axes,
 )
-from orchestrator.costs._liveness import materialized_ops, traffic_bytes
+from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, materialized_ops, traffic_bytes
 from orchestrator.graph import Op, OpGraph, TensorSpec, dtype_itemsize
 from recipes import get_recipe
 from recipes.gpt import Block, GPTConfig
@@ -207,10 +207,19 @@ def test_layernorm_rows_past_xla_cpu_ynn_threshold_keep_one_more_buffer():
     measured = _compiled_block(step, variables, x, specs, dp=2, tp=4).peak_bytes
     predicted = model.layer_cost(0, device_type, config).memory_bytes(1) + 2 * math.prod(x.shape) * 4 / 2
     assert predicted == pytest.approx(measured, rel=0.10)
-    # without the rule (a GPU cluster has none) the same layer is priced at one buffer less per LayerNorm
-    gpu_like = CostModel(graph, layers, dataclasses.replace(cluster, shared_cores=None), batch_size=64, param_axes=axes)
-    without = gpu_like.layer_cost(0, device_type, config).memory_bytes(1) + 2 * math.prod(x.shape) * 4 / 2
-    assert predicted - without == pytest.approx(2 * 32 * 128 * CFG.d_model * 4, rel=1e-6)
+    # without the rule (other compilers have none) the same layer's peak is one buffer less per LayerNorm
+    ops = [n for n in layers[0].ops if graph.op(n).phase != "optimizer"]
+    rows = {
+        threshold: liveness(
+            graph,
+            ops,
+            scale=lambda n: model._scale(n, 4, 32),
+            allreduced=model.traits_for(4).allreduce_ops,
+            row_fusion_elements=threshold,
+        ).peak_bytes
+        for threshold in (YNN_MIN_ELEMENTS, None)
+    }
+    assert rows[YNN_MIN_ELEMENTS] - rows[None] == pytest.approx(2 * 32 * 128 * CFG.d_model * 4, rel=1e-6)
 
 
 def test_tensor_parallel_splits_compute_and_parameters():
@@ -426,6 +435,61 @@ def test_a_residual_recomputed_from_a_kept_value_gets_no_buffer():
     assert not materialized["m"]
 
 
+def test_on_a_gpu_cluster_a_bf16_block_keeps_what_xla_gpu_keeps():
+    """What XLA:GPU's buffer assignment keeps of the recipe's bf16 GPT block for the backward (H100,
+    jax 0.11; ``_liveness``): the block input and the attention residual (2 bytes a value each), both
+    LayerNorms' bf16 outputs (2 + 2), Q, K and V (6), the attention context (2), the MLP's
+    pre-activation, its tanh and its output (8 + 8 + 8), the scores and probabilities (2 + 2 per
+    head and key), the bf16 kernels and per-row statistics: not the LayerNorms' float32 values,
+    which XLA:CPU keeps."""
+    B, s, h, a = 2, 128, 64, 4
+    block = Block(GPTConfig(vocab_size=64, max_seq_len=s, num_layers=1, num_heads=a, d_model=h, dtype="bfloat16"))
+    x = jax.ShapeDtypeStruct((B, s, h), jnp.bfloat16)
+    params = nn.meta.unbox(jax.eval_shape(block.init, jax.random.key(0), x)["params"])
+
+    def step(p, x):
+        loss = lambda p, x: jnp.mean(block.apply({"params": p}, x).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss, argnums=(0, 1))(p, x)
+
+    graph = capture(step, params, x)
+    layers = coarsen(graph, by_scope=False, fallback_layers=1)
+    kept = {}
+    for name in ("a100x8", "local"):
+        model = CostModel(graph, layers, load_cluster(name), batch_size=B)
+        [kind] = model.cluster.device_types
+        kept[name] = model.layer_cost(0, kind, ParallelConfig(microbatch_size=B)).activation_bytes
+    xla_gpu = 40 * B * s * h + 4 * a * s * s * B + 12 * h * h * 2
+    assert kept["a100x8"] == pytest.approx(xla_gpu, rel=0.01)
+    # XLA:CPU keeps each LayerNorm's float32 input, x − mean and normalised values instead of the bf16 input
+    assert kept["local"] > kept["a100x8"] + 2 * 10 * B * s * h
+
+
+def test_xla_gpu_recomputes_a_cheap_residual_and_keeps_an_expensive_one():
+    # a LayerNorm-like f32 chain n = c − mean from c = convert(x), its output o cast for a matmul:
+    # n is read by the forward and the backward, and XLA:GPU fuses it again into each reader (and c
+    # into the reduction that reads it), so x stays alive instead; a bf16 tanh keeps its own buffer
+    # (GpuInstructionFusion::IsExpensive)
+    bf16 = TensorSpec(shape=(512,), dtype="bfloat16")
+    ops = [
+        _op("c", "elementwise", "forward"),
+        dataclasses.replace(_op("mean", "elementwise", "forward"), kind="reduction", primitive="reduce_sum"),
+        _op("n", "elementwise", "forward"),
+        _op("o", "elementwise", "forward"),
+        _op("y", "matmul", "forward"),
+        dataclasses.replace(_op("t", "elementwise", "forward"), primitive="tanh", outputs=(bf16,)),
+        _op("z", "matmul", "forward"),
+        _op("g", "matmul", "backward"),
+        _op("bn", "elementwise", "backward"),
+        _op("bt", "elementwise", "backward"),
+        _op("dw", "matmul", "backward"),
+    ]
+    edges = [("c", "mean"), ("c", "n"), ("mean", "n"), ("n", "o"), ("o", "y"), ("n", "bn"), ("y", "t"), ("t", "z")]
+    edges += [("t", "bt"), ("z", "g"), ("g", "bn"), ("bn", "bt"), ("bt", "dw")]
+    cpu, gpu = materialized_ops(_chain(edges, ops)), materialized_ops(_chain(edges, ops), xla_gpu=True)
+    assert cpu["c"] and cpu["n"] and cpu["t"] and gpu["t"] and gpu["o"]
+    assert not gpu["c"] and not gpu["n"]
+
+
 def test_program_outputs_are_apart_from_the_temporary_peak():
     # a 4 KiB output produced first, then a 1 KiB temporary: XLA allocates the output apart
     ops = [_op("out", "matmul", "backward", 4096), _op("x", "matmul", "backward"), _op("y", "matmul", "backward")]
@@ -523,6 +587,18 @@ def test_work_on_a_sharded_parameter_alone_is_split_by_tensor_parallelism():
         and traits.param_roles[op.param_reads[0]] in ("column", "row")
     ]
     assert casts and all(name in traits.split_ops for name in casts)
+
+
+def test_a_vocabulary_split_lookup_adds_its_gradient_into_the_rows_each_device_holds():
+    """The embedding's backward, a scatter-add into a table of the table's shape, is split under a
+    vocabulary-split table (Megatron's vocabulary-parallel embedding) with no collective; the
+    positional table, which no rule splits, is scattered whole."""
+    model, graph = _bf16_tiny_model()
+    traits = model.traits_for(2)
+    scatters = {op.outputs[0].shape: op.name for op in graph.ops() if op.primitive == "scatter-add"}
+    tables = {path: scatters[graph.params[path].shape] for path in ("wte/embedding", "wpe/embedding")}
+    assert tables["wte/embedding"] in traits.split_ops and tables["wpe/embedding"] not in traits.split_ops
+    assert not set(tables.values()) & traits.allreduce_ops
 
 
 def test_weights_once_moves_parameter_casts_from_every_microbatch_to_the_step():
