@@ -55,6 +55,7 @@ def test_a_mamba_layer_prices_its_carry_and_holds_1_over_n_of_its_scan(mamba):
     link = mamba.default_link("small")
     whole = mamba.layer_cost(block, "small", ParallelConfig(microbatch_size=2, recompute=True))
     assert whole.cp_comm_s == 0 and whole.breakdown["cp_bytes"] == 0
+    dynamic = {1: whole.activation_bytes + whole.transient_bytes}
     for n in (2, 4, 8):
         config = ParallelConfig(microbatch_size=2, recompute=True, context_parallel=n)
         split = mamba.layer_cost(block, "small", config)
@@ -63,9 +64,13 @@ def test_a_mamba_layer_prices_its_carry_and_holds_1_over_n_of_its_scan(mamba):
         # recomputing, the rebuilt forward gathers the carry again
         assert split.cp_comm_s == pytest.approx(2 * carry.forward_s + carry.backward_s)
         assert split.cp_form is None
-        # the scan's working set, (B, T, D, N) per tensor, falls as 1/n (a few per-layer buffers do not)
-        dynamic = split.activation_bytes + split.transient_bytes - carry.extra_memory_bytes
-        assert dynamic == pytest.approx((whole.activation_bytes + whole.transient_bytes) / n, rel=1e-3)
+        dynamic[n] = split.activation_bytes + split.transient_bytes - carry.extra_memory_bytes
+    # the scan's working set, (B, T, D, N) per tensor, falls as 1/n: memory is w/n + f, where f, a
+    # few per-layer buffers of parameter shape, is under 0.1% of w
+    scaled, fixed = 2 * (dynamic[1] - dynamic[2]), 2 * dynamic[2] - dynamic[1]
+    assert 0 <= fixed < 1e-3 * scaled
+    for n in (4, 8):
+        assert dynamic[n] == pytest.approx(scaled / n + fixed, rel=1e-6)
 
 
 def test_an_attention_model_has_no_scan():
