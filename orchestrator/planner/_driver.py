@@ -225,23 +225,34 @@ def plan(
         with space.table.bounded(deadline):
             _no_plan(model, space, certificate, candidates, max_stages, schedule, global_batch, deadline, stopped)
     found = best.current
-    result = make_plan(
-        model,
-        space,
-        found.evaluation,
-        found.stages,
-        found.groups,
-        found.microbatches,
-        schedule=schedule,
-        global_batch=global_batch,
-        bound=0.0 if stopped else certificate.lower,
-        gap=gap,
-        started=started,
-        prefer_devices=prefer_devices,
-        objective=found.score,
-        covered=space.coverage(candidates, max_stages),
-        interleave=virtual_stages,
-    )
+    finals = [(found.evaluation, found.stages, found.groups, found.microbatches, found.score)]
+    given = start is not None and (found.stages, found.groups, found.microbatches) != tuple(start)
+    if virtual_stages and given and start[2] in candidates:
+        # v is chosen after the search, so a given plan the incumbent beats plain may still win interleaved
+        ev = best.evaluate(*start)
+        if ev.feasible:
+            finals.append((ev, *start, best.score(ev, start[0], start[1])))
+    made = [
+        make_plan(
+            model,
+            space,
+            ev,
+            stages,
+            groups,
+            M,
+            schedule=schedule,
+            global_batch=global_batch,
+            bound=0.0 if stopped else certificate.lower,
+            gap=gap,
+            started=started,
+            prefer_devices=prefer_devices,
+            objective=score,
+            covered=space.coverage(candidates, max_stages),
+            interleave=virtual_stages,
+        )
+        for ev, stages, groups, M, score in finals
+    ]
+    result = min(made, key=lambda one: one.objective)
     report("done", bound_s=result.bound)
     return result
 
