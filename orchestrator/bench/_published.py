@@ -339,8 +339,9 @@ def plan_options(run: PublishedRun) -> dict[str, Any]:
 
 def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
     """The planner's own plan of the run's model on the run's cluster, searched in the space of
-    :func:`plan_options` from the published configuration (at v = 1) as a start, so the plan is
-    priced no slower than the published configuration's plain schedule."""
+    :func:`plan_options` from the published configuration as a start: the plan is priced no slower
+    than that configuration on a plain schedule, and no slower than it interleaved where the planner
+    can interleave its stages (each stage's block count a multiple of v, ``virtual_stage_counts``)."""
     from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
     from orchestrator.planner._groups import GroupConfig
 
