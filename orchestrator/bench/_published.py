@@ -245,6 +245,9 @@ def price(run: PublishedRun, model=None) -> dict:
     return {
         "priced_s": ev.iteration_s,
         "fits": ev.feasible,
+        # the fullest stage's priced peak per device (parameters, gradients, optimizer state,
+        # activations of the microbatches it holds, transient), against the usable memory
+        "peak_memory_gib": max(ev.stage_memory_bytes, default=0.0) / 2**30,
         "microbatches": M,
         "virtual_stages": p.get("virtual_stages") or 1,
         "breakdown": dict(ev.breakdown),
