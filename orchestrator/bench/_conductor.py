@@ -291,14 +291,45 @@ def recipe_step_memory_case(
     )
 
 
-def mamba_layerwise_value_and_grad(config, params, data, *, rewritten: bool, progress=lambda name: None):
+def written_scan_in_slices(slices: int):
+    """The Mamba recipe's written scan (``Mixer.core_scan``: exp(Δ ⊗ A), (Δ ⊙ x) ⊗ B, the sequential
+    scan) run on ``slices`` groups of channels one after another: output channel d reads only channel
+    d of Δ, A and Δ ⊙ x (and all of B and C), so each group runs the written operations on its
+    channels. ``jax.checkpoint`` on each group rebuilds its (B, T, D/slices, N) tensors in the
+    backward pass, so one group's are alive at a time; the sums over channels into B's and C's
+    gradients are taken group by group, which rounds apart from the whole form by float32 noise
+    (``tests/orchestrator/bench/test_conductor.py``)."""
+    from recipes.mamba import selective_scan
+
+    def one_group(args, b, c):
+        delta, a, v = args
+        return selective_scan(jnp.exp(delta[..., None] * a), v[..., None] * b[:, :, None, :], c)
+
+    def scan(delta, a, v, b, c):
+        d = delta.shape[-1]
+
+        def groups(x):  # (..., D) -> (slices, ..., D / slices)
+            return jnp.moveaxis(x.reshape(*x.shape[:-1], slices, d // slices), -2, 0)
+
+        body = jax.checkpoint(lambda args: one_group(args, b, c))
+        ys = jax.lax.map(body, (groups(delta), a.reshape(slices, d // slices, a.shape[-1]), groups(v)))
+        return jnp.moveaxis(ys, 0, -2).reshape(delta.shape)
+
+    return scan
+
+
+def mamba_layerwise_value_and_grad(
+    config, params, data, *, rewritten: bool, written_slices: int = 1, progress=lambda name: None
+):
     """Loss and gradients of the Mamba LM's step one residual block at a time.
 
     The forward pass keeps each block's input, (B, T, d_model); the backward pass runs one block's
     VJP at a time, so a block's written (B, T, D, N) tensors are alive only while it runs and the
     written step's gradients fit a host that cannot hold its whole backward pass (XLA's CPU pipeline
     drops the barriers that ``jax.checkpoint`` would need). ``rewritten``: each block through
-    ``conductor.optimize`` (default policy). The operations of ``value_and_grad`` of the step,
+    ``conductor.optimize`` (default policy). ``written_slices`` > 1: the written blocks run their
+    scan through :func:`written_scan_in_slices`, for lengths at which one written block's backward
+    pass does not fit this host whole. The operations of ``value_and_grad`` of the step,
     compiled per block: the head's backward rounds apart from the whole step's by an ulp here and
     there, the same for both forms. ``progress`` hears of each block's backward pass once it is done.
     """
@@ -310,8 +341,10 @@ def mamba_layerwise_value_and_grad(config, params, data, *, rewritten: bool, pro
 
     embed = nn.Embed(config.vocab_size, config.d_model)
 
+    scan = written_scan_in_slices(written_slices) if written_slices > 1 and not rewritten else None
+
     def block(p, x):
-        return MambaBlock(config).apply({"params": p}, x)
+        return MambaBlock(config, None, scan).apply({"params": p}, x)
 
     def head(p_embed, p_norm, x):  # norm_f, the tied output head and the loss of recipes.train.loss_fn
         logits = embed.apply({"params": p_embed}, nn.RMSNorm().apply({"params": p_norm}, x), method="attend")
@@ -346,6 +379,7 @@ def recipe_step_grads(
     forms: dict[str, tuple[str, bool, bool]],
     layerwise: bool = False,
     per_sample: bool = False,
+    written_slices: int = 1,
     progress=lambda name: None,
 ) -> dict:
     """Loss and gradients of a recipe's step for each form ``name: (dtype, rewritten, moved)``.
@@ -354,7 +388,8 @@ def recipe_step_grads(
     the step through ``conductor.optimize`` (default policy); ``moved`` multiplies every parameter
     by 1 ± ε of its dtype (one ulp, random signs): a change below the dtype's resolution, so what
     it does to the gradients is the floor under which no two float32 evaluations of the step agree.
-    ``layerwise`` (Mamba only): through :func:`mamba_layerwise_value_and_grad`.
+    ``layerwise`` (Mamba only): through :func:`mamba_layerwise_value_and_grad` (with its
+    ``written_slices``).
 
     ``per_sample``: every form runs on one sample of the batch at a time, and the batch's loss and
     gradients are the mean of the samples'. The loss is the mean over batch and tokens and each
@@ -392,6 +427,7 @@ def recipe_step_grads(
                         params,
                         part,
                         rewritten=rewritten,
+                        written_slices=written_slices,
                         progress=lambda step, where=where: progress(f"{where} {step}"),
                     )
                 else:
@@ -419,6 +455,7 @@ def recipe_step_numerics_cases(
     seq: int,
     layerwise: bool = False,
     per_sample: bool = False,
+    written_slices: int = 1,
     float64: bool = True,
     floor: bool = True,
     progress=lambda name: None,
@@ -444,7 +481,9 @@ def recipe_step_numerics_cases(
     ``layerwise`` (Mamba): one residual block at a time (:func:`mamba_layerwise_value_and_grad`), for
     lengths at which the written step's backward pass does not fit this host; ``per_sample``: also one
     sample at a time, the batch's loss and gradients the samples' mean (:func:`recipe_step_grads`),
-    for lengths at which one written block's backward pass at the whole batch does not fit.
+    for lengths at which one written block's backward pass at the whole batch does not fit;
+    ``written_slices``: the written scan in that many groups of channels (:func:`written_scan_in_slices`),
+    for lengths at which it does not fit at one sample either.
     ``floor=False`` (float32 only) leaves out the floor's form, a third evaluation of the step that
     the float32-only claim does not read.
     """
@@ -457,7 +496,14 @@ def recipe_step_numerics_cases(
     if float64:
         forms.update({"written64": ("float64", False, False), "rewritten64": ("float64", True, False)})
     got = recipe_step_grads(
-        recipe, batch=batch, seq=seq, forms=forms, layerwise=layerwise, per_sample=per_sample, progress=progress
+        recipe,
+        batch=batch,
+        seq=seq,
+        forms=forms,
+        layerwise=layerwise,
+        per_sample=per_sample,
+        written_slices=written_slices,
+        progress=progress,
     )
 
     def loss_rel(a, b):
@@ -474,6 +520,7 @@ def recipe_step_numerics_cases(
         "seq": seq,
         "layerwise": layerwise,
         "per_sample": per_sample,
+        "written_slices": written_slices,
         "target_rel_err": 1e-5,
         "loss_rel_err": loss_rel("rewritten", "written"),
         "grad_max_rel_err": worst("rewritten", "written"),
@@ -544,6 +591,7 @@ def recipe_cases(progress=lambda name: None) -> list[Claim]:
             seq=8192,
             layerwise=True,
             per_sample=True,
+            written_slices=4,
             float64=False,
             floor=False,
             progress=progress,

@@ -37,3 +37,16 @@ def test_per_sample_split_gives_the_batch_loss_and_gradients(layerwise):
 def test_float64_claims_need_the_floor():
     with pytest.raises(ValueError, match="floor=False needs float64=False"):
         recipe_step_numerics_cases("mamba-tiny", batch=2, seq=64, floor=False)
+
+
+def test_the_written_scan_in_channel_slices_is_the_written_scan():
+    # the same function (float64 to rounding); float32 sums the channels' parts into B's and C's
+    # gradients group by group, a few ulps apart
+    whole = recipe_step_grads("mamba-tiny", batch=1, seq=64, forms=FORMS, layerwise=True)
+    sliced = recipe_step_grads("mamba-tiny", batch=1, seq=64, forms=FORMS, layerwise=True, written_slices=4)
+    for name in FORMS:
+        tol = 1e-12 if name.endswith("64") else 2e-6
+        (loss, grads), (sliced_loss, sliced_grads) = whole[name], sliced[name]
+        assert abs(sliced_loss - loss) <= 1e-6 * abs(loss), name
+        assert rel_diff(sliced_grads, grads) <= tol, name
+        assert norm_rel_diff(sliced_grads, grads) <= tol, name
