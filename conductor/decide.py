@@ -36,8 +36,13 @@ from typing import Literal
 
 import jax
 
-from conductor.kernels import AttentionBlockSizes, Implementation, ScanBlockSizes, divisible_block
-from conductor.kernels._common import GPU_SHARED_MEMORY_BYTES
+from conductor.kernels import (
+    GPU_SHARED_MEMORY_BYTES,
+    AttentionBlockSizes,
+    Implementation,
+    ScanBlockSizes,
+    divisible_block,
+)
 from conductor.kernels.attention import Band, attention_tile_bytes
 from conductor.match import Match
 

@@ -5,11 +5,12 @@ Each has a pure-JAX reference beside it and an ``implementation=`` switch:
 blocking in plain XLA, compiled everywhere) and ``"reference"``.
 """
 
-from conductor.kernels._common import IMPLEMENTATIONS, Implementation, divisible_block
+from conductor.kernels._common import GPU_SHARED_MEMORY_BYTES, IMPLEMENTATIONS, Implementation, divisible_block
 from conductor.kernels.attention import AttentionBlockSizes, attention, attention_reference
 from conductor.kernels.scan import ScanBlockSizes, selective_scan, selective_scan_chunk, selective_scan_reference
 
 __all__ = [
+    "GPU_SHARED_MEMORY_BYTES",
     "IMPLEMENTATIONS",
     "AttentionBlockSizes",
     "Implementation",
