@@ -106,7 +106,8 @@ def plan(
       gap: relative gap at which each solve stops.
       recompute: also consider recomputing each stage's forward in its backward.
       start: a known plan (layers per stage, groups, M) to start from, e.g. the previous
-        plan when re-planning; used when it fits and beats the heuristic.
+        plan when re-planning; used when it fits and beats the heuristic. With ``virtual_stages``,
+        it is interleaved too, and returned when that is faster than the incumbent interleaved.
       prefer_devices: devices for the stage at each position counted from the end of the
         pipeline (0 = last stage), used when its group still fits them (re-planning keeps
         surviving stages where they are, so their state need not move).
