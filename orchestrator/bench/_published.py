@@ -345,8 +345,7 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
     :func:`plan_options` from the published configuration as a start: the plan is priced no slower
     than that configuration on a plain schedule, and no slower than it interleaved where the planner
     can interleave its stages (each stage's block count a multiple of v, ``virtual_stage_counts``)."""
-    from orchestrator.planner import PlanInfeasible, PlanNotFound, plan
-    from orchestrator.planner._groups import GroupConfig
+    from orchestrator.planner import GroupConfig, PlanInfeasible, PlanNotFound, plan
 
     p = run.parallel
     M = run.global_batch // (p["dp"] * (p["microbatch_size"] or 1))

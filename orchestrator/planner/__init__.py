@@ -29,7 +29,7 @@ public to the benches (its ``__all__``).
 
 from orchestrator.planner._deadline import Deadline, DeadlineExceeded
 from orchestrator.planner._driver import plan
-from orchestrator.planner._groups import MEMORY_HEADROOM, usable_memory_bytes
+from orchestrator.planner._groups import MEMORY_HEADROOM, GroupConfig, usable_memory_bytes
 from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._plan import Coverage, Plan, PlanInfeasible, PlanNotFound, Stage
 from orchestrator.planner._progress import SearchProgress
@@ -40,6 +40,7 @@ __all__ = [
     "Coverage",
     "Deadline",
     "DeadlineExceeded",
+    "GroupConfig",
     "Plan",
     "PlanInfeasible",
     "PlanNotFound",
