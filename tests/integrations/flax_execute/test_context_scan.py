@@ -19,7 +19,7 @@ from orchestrator.planner._groups import usable_memory_bytes
 from recipes import MambaConfig, Recipe
 
 CLUSTER = Path(__file__).parents[2] / "clusters" / "small-cpu-8.yaml"
-CONFIG = MambaConfig(vocab_size=64, num_layers=2, d_model=16, d_state=4)
+CONFIG = MambaConfig(vocab_size=64, num_layers=2, d_model=32, d_state=4)
 RECIPE = Recipe(name="mamba-long", config=CONFIG, batch_size=2, seq_len=4096)
 STEPS = 5
 
