@@ -51,7 +51,8 @@ def attention_tile_bytes(block: int, head_dim: int) -> int:
 
 def default_block_sizes(head_dim: int, platform: str | None = None) -> AttentionBlockSizes:
     """The blocks used when none are given: 128 × 128, and on a GPU the largest power of two ≤ 128
-    whose tiles fit (:func:`attention_tile_bytes`) in one SM's shared memory. A float32 kernel at
+    whose tiles (:func:`attention_tile_bytes`), double-buffered, fit one SM's shared memory: the
+    decision model's rule for a GPU (``conductor.decide``). A float32 kernel at
     head_dim 64 with 128 × 128 blocks asks Triton for 257 KiB, more than an H100's SM holds; at
     64 × 64 it runs, and at bfloat16 it is also faster there than 128 × 128
     (``orchestrator/bench/data/h100_conductor_times.json``)."""
