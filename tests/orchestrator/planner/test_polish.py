@@ -11,6 +11,7 @@ from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._polish import polish
 from orchestrator.planner._space import search_space
 from orchestrator.planner.baselines import BASELINES, exhaustive_plan
+from orchestrator.solver import work
 
 SETTINGS = {"global_batch": 8, "microbatch_candidates": (1, 2, 4), "max_stages": 3}
 
@@ -87,7 +88,12 @@ def test_reorders_take_gpt_175b_past_a_local_optimum_of_single_moves(monkeypatch
     stages = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
     groups = [GroupConfig(device_type=t, size=32, tp=8, recompute=s < 15) for s, t in enumerate(kinds)]
 
-    def polished():  # no deadline: the search stops by itself, where it stops on any machine
+    def polished():  # no deadline: the search stops by itself on counted work, as inside plan(), the
+        # same on any machine and after any other test (outside a work budget its clock is the wall's)
+        with work.work_budget():
+            return _polished()
+
+    def _polished():
         return polish(
             stages,
             groups,
