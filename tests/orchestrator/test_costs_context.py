@@ -22,7 +22,13 @@ from orchestrator.costs import (
     context_parallel_cost,
     ring_permute_bytes,
 )
-from orchestrator.costs._context import RING_BLOCK, masked_by_position, ring_attention_work, ring_tile_fraction
+from orchestrator.costs._context import (
+    RING_BLOCK,
+    blockwise_attention_s,
+    masked_by_position,
+    ring_attention_work,
+    ring_tile_fraction,
+)
 from recipes import get_recipe
 
 BLOCK = 1  # gpt-tiny's first transformer block (layer 0 is the embedding)
@@ -238,3 +244,47 @@ def test_the_causal_ring_is_priced_at_about_half_the_unmasked_one():
     assert causal.ring.compute_backward_s == pytest.approx(2.5 * causal.ring.compute_forward_s)
     assert causal.ring.compute_forward_s / unmasked.ring.compute_forward_s == pytest.approx(0.5, rel=0.01)
     assert causal.chosen.time_s / unmasked.chosen.time_s == pytest.approx(0.5, rel=0.05)
+
+
+def test_priced_attention_per_rank_is_the_closed_form_under_gqa_and_tp():
+    """A Llama block (8 query heads over 2 K/V heads of 8, T = 256) at TP 2 and CP 4, one sequence per
+    microbatch: each rank runs its 8/2 query heads' T/4 queries against all T keys, the causal tiles
+    alone, in its forward
+
+        FLOPs = 4·B·(H/t)·(T/n)·T·D·f        exponentials = B·(H/t)·(T/n)·T·f
+
+    (f the executed tiles' fraction), and reads its own Q, K, V and O slices once; the backward is 2.5
+    times that. Without the fraction, the FLOPs are XLA's count of one rank's two attention products
+    (its Q slice against the gathered K and V, as Llama 3's all-gather context parallelism runs them)."""
+    from recipes import GPTConfig, Recipe
+
+    B, T, H, H_kv, D, t, n = 1, 256, 8, 2, 8, 2, 4
+    config = GPTConfig(
+        vocab_size=256, max_seq_len=T, num_layers=2, num_heads=H, d_model=H * D, llama=True, num_kv_heads=H_kv
+    )
+    recipe = Recipe(name="llama-gqa", config=config, batch_size=B, seq_len=T)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(B, T))
+    model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=B, param_axes=recipe.param_axes())
+    cost = model.layer_cost(BLOCK, "a100", ParallelConfig(tp=t, microbatch_size=B, context_parallel=n))
+
+    f = ring_tile_fraction(T, n, causal=True)
+    flops = 4 * B * (H // t) * (T // n) * T * D
+    pairs = B * (H // t) * (T // n) * T
+    io = B * (T // n) * D * (2 * H + 2 * H_kv) // t * 4  # Q, O and the local K, V slices, float32
+    device = model.cluster.device_types["a100"]
+    forward = blockwise_attention_s(
+        flops=flops * f, exponentials=pairs * f, io_bytes=io, dtype="float32", device=device,
+        efficiency=model.efficiency_of("a100"),
+    )  # fmt: skip
+    assert cost.breakdown["cp_attention_forward_s"] == pytest.approx(forward, rel=1e-9)
+    assert cost.breakdown["cp_attention_backward_s"] == pytest.approx(2.5 * forward, rel=1e-9)
+
+    def rank(q, k, v):  # (B, T/n, H_kv/t, G, D) against the gathered (B, T, H_kv/t, D)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k)
+        return jnp.einsum("bhgqk,bkhd->bqhgd", scores, v)
+
+    q = jax.ShapeDtypeStruct((B, T // n, H_kv // t, H // H_kv, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, H_kv // t, D), jnp.float32)
+    analysis = jax.jit(rank).lower(q, kv, kv).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    assert analysis["flops"] == pytest.approx(flops)
