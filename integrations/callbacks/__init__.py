@@ -12,7 +12,7 @@ True
 from integrations.callbacks._base import Callback, CallbackList
 from integrations.callbacks._checkpoint import Checkpointer, CheckpointStore, OrbaxStore
 from integrations.callbacks._replanner import Decision, Replanner
-from integrations.callbacks._report import PlanReporter, schedule_trace
+from integrations.callbacks._report import PlanReporter
 from integrations.callbacks._timer import StepTimeDrift, StepTimer
 
 __all__ = [
@@ -26,5 +26,4 @@ __all__ = [
     "Replanner",
     "StepTimeDrift",
     "StepTimer",
-    "schedule_trace",
 ]

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 import jax
 
 from orchestrator.bench.executor._setup import Setup
+from orchestrator.simulate import stage_order
 
 
 def _stage_costs(plan, su: Setup):
@@ -124,11 +125,63 @@ def predicted_stage_seconds(
     return out
 
 
+def _orders(plan) -> list[list[tuple[str, int]]]:
+    """Per stage, its ("F" | "B", microbatch) steps in the order :func:`orchestrator.simulate.stage_order` gives."""
+    n = len(plan.stages)
+    return [
+        [("F" if phase == "forward" else "B", mb) for phase, mb in stage_order(plan.schedule, n, plan.microbatches, s)]
+        for s in range(n)
+    ]
+
+
+def _replay(plan) -> dict:
+    """The plan's stage times replayed in its schedule's order as Chrome trace events: stage s
+    runs its (F | B, microbatch) steps in :func:`orchestrator.simulate.stage_order`, F(s, m) after
+    F(s−1, m) plus ``send_s``, B(s, m) after B(s+1, m) plus ``send_s``, B lasting
+    ``time_s − forward_s − 2·send_s``, the update after the last backward. Unlike
+    :func:`orchestrator.simulate.simulate` no two sends share a link: on one host a send is a copy
+    between virtual devices, not a message on a wire."""
+    n = len(plan.stages)
+    orders = _orders(plan)
+    end: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * n
+    position = [0] * n
+    events = []
+    while any(position[s] < len(orders[s]) for s in range(n)):
+        progressed = False
+        for s, stage in enumerate(plan.stages):
+            if position[s] >= len(orders[s]):
+                continue
+            op, mb = orders[s][position[s]]
+            if op == "F":
+                dep = ("F", s - 1, mb) if s > 0 else None
+                ready = end[dep] + plan.stages[s - 1].send_s if dep else 0.0
+                duration = stage.forward_s
+            else:
+                dep = ("B", s + 1, mb) if s + 1 < n else ("F", s, mb)
+                ready = end[dep] + (stage.send_s if s + 1 < n else 0.0) if dep in end else None
+                duration = max(0.0, stage.time_s - stage.forward_s - 2 * stage.send_s)
+            if dep is not None and dep not in end:
+                continue
+            start = max(clock[s], ready or 0.0)
+            end[(op, s, mb)] = clock[s] = start + duration
+            events.append(
+                {"name": f"{op}{mb}", "ph": "X", "pid": 0, "tid": s, "ts": start * 1e6, "dur": duration * 1e6}
+            )
+            position[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {plan.schedule!r} deadlocked")
+    for s, stage in enumerate(plan.stages):
+        duration = stage.dp_sync_s + stage.optimizer_s
+        events.append({"name": "update", "ph": "X", "pid": 0, "tid": s, "ts": clock[s] * 1e6, "dur": duration * 1e6})
+    names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}} for s in range(n)]
+    return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+
+
 def simulated_step_s(plan, su: Setup, *, dispatches: Mapping[int, int], buffers: int = 0) -> float:
     """Predicted step time on the shared-core host (see module docstring); ``dispatches`` counts the
     step's host dispatches by the number of devices each goes to."""
-    from integrations.callbacks import schedule_trace
-
     costs = _stage_costs(plan, su)
     timed = []
     busy = held = 0.0
@@ -148,7 +201,7 @@ def simulated_step_s(plan, su: Setup, *, dispatches: Mapping[int, int], buffers:
         )
         # the cores' work
         busy += len(stage.devices) * (plan.microbatches * device_seconds(f + b, stage, su) + u)
-    replay = schedule_trace(dataclasses.replace(plan, stages=tuple(timed)))
+    replay = _replay(dataclasses.replace(plan, stages=tuple(timed)))
     makespan = max(e["ts"] + e["dur"] for e in replay["traceEvents"] if e["ph"] == "X") / 1e6
     dispatch_s = sum(n * (su.host.dispatch(k) + su.host.executor_s) for k, n in dispatches.items())
     # each stage's first call of the step follows other devices' work: its devices wake, once a step

@@ -1,12 +1,14 @@
 """orchestrate() end to end with the callbacks, and the executor's error paths."""
 
+import collections
+import dataclasses
 import json
 
 import jax
 import numpy as np
 import pytest
 
-from integrations.callbacks import Checkpointer, PlanReporter, StepTimeDrift, StepTimer, schedule_trace
+from integrations.callbacks import Checkpointer, PlanReporter, StepTimeDrift, StepTimer
 from integrations.flax import compile_step, orchestrate, shard
 from orchestrator.bench.executor import check_plan
 from orchestrator.simulate import stage_order
@@ -44,7 +46,7 @@ def test_orchestrate_plans_trains_reports_and_checkpoints(gpt, tmp_path):
     saved = json.loads((tmp_path / "report" / "plan.json").read_text())
     assert saved["global_batch"] == 16
     trace = json.loads((tmp_path / "report" / "trace.json").read_text())
-    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(len(run.plan.stages)))
+    assert {e["args"]["stage"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(len(run.plan.stages)))
     assert checkpoints.steps() == [2, 3]  # the last two of steps 0..3
     restored = checkpoints.restore(run.state, step=3)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(run.state)):
@@ -85,9 +87,21 @@ def test_schedules_keep_dependencies_and_bound_in_flight_microbatches():
                 in_flight += 1 if op == "forward" else -1
                 peak = max(peak, in_flight)
             assert peak == (micro if schedule == "gpipe" else min(stages - s, micro))
-    plan = check_plan("4 stages TP 1/2/4/1", global_batch=16)
-    events = [e for e in schedule_trace(plan)["traceEvents"] if e["ph"] == "X"]
-    assert len(events) == 4 * (2 * plan.microbatches + 1)
+
+
+def test_the_reported_trace_has_every_chunk_of_every_microbatch_on_every_device(tmp_path):
+    """``PlanReporter``'s trace is the simulator's: each device of a stage runs a forward and a
+    backward per microbatch, per virtual-stage chunk under interleaved 1F1B."""
+    plan = check_plan("2 stages (3+1) x 4 mb", global_batch=16)
+    for v in (1, 2):
+        reporter = PlanReporter(tmp_path / f"v{v}", plan=dataclasses.replace(plan, virtual_stages=v))
+        reporter.on_train_begin()
+        trace = json.loads((tmp_path / f"v{v}" / "trace.json").read_text())
+        for phase in ("forward", "backward"):
+            events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == phase]
+            per_device = collections.Counter((e["pid"], e["tid"]) for e in events)
+            assert len(per_device) == sum(len(stage.devices) for stage in plan.stages)
+            assert set(per_device.values()) == {v * plan.microbatches}
 
 
 def test_user_mistakes_get_one_line_errors(gpt):
