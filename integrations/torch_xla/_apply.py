@@ -128,7 +128,7 @@ def apply(
     if asked:
         raise PlanNotSupported(
             f"the plan's stage asks for {' and '.join(asked)}, which integrations.torch_xla does not run: "
-            "plan without it (plan() never asks for it) or run the step with integrations.flax"
+            "plan without it (plan()'s default) or run the step with integrations.flax"
         )
     tp, dp = stage.tp, stage.dp
     tensor_parallel_axes(axis_rules)  # a malformed table fails before torch_xla starts

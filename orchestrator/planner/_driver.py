@@ -78,6 +78,7 @@ def plan(
     sequence_parallel: bool = False,
     selective_recompute: bool = False,
     overlap_param_gather: bool = False,
+    fsdp: bool = False,
     options: SearchOptions | None = None,
     deadline: Deadline | None = None,
     progress: Observer | None = None,
@@ -130,6 +131,12 @@ def plan(
       sequence_parallel, selective_recompute, overlap_param_gather: price every stage with that
         option (``search_space``), as a published configuration is priced; off by default, as
         ``integrations.torch_xla.apply`` runs none of them.
+      fsdp: price every stage with data parallelism as fully sharded (ZeRO-3/FSDP: parameters,
+        gradients and optimizer state split over its replicas, each layer's parameters gathered
+        and its gradients reduce-scattered once a step) and record it (``Stage.fsdp``); what
+        maxtext runs by default and Llama 3 ran inside its pipelines. ``integrations.flax``
+        runs it on one stage and in pipelines; ``integrations.torch_xla.apply`` refuses it. Off
+        by default.
       options: how the search shares its time limit (:class:`SearchOptions`; default: its defaults).
       deadline: when given, the wall-clock cap of the call (a :class:`Deadline` that started
         earlier, e.g. with a command that captured the model first; the work budget is then at
@@ -176,6 +183,7 @@ def plan(
         sequence_parallel=sequence_parallel,
         selective_recompute=selective_recompute,
         overlap_param_gather=overlap_param_gather,
+        fsdp=fsdp,
     )
     max_stages = min(max_stages or 16, space.layers, len(model.cluster.devices()))
     candidates = microbatch_counts(global_batch, microbatch_candidates)
