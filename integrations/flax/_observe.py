@@ -2,8 +2,8 @@
 
 A :class:`~integrations.flax.Pipeline` built with ``observers=[...]`` tells each observer when a
 step begins and ends, and hands it every dispatch before and after it is issued: a jitted
-program of a stage (its forward, backward, gradient-accumulator zeros, cotangent sum, replica
-gradient sum, update) or a transfer onto a stage's devices. Timing, counting, recording and
+program of a stage (its parameter gather, forward, backward, gradient-accumulator zeros,
+cotangent sum, replica gradient sum, update) or a transfer onto a stage's devices. Timing, counting, recording and
 fault injection are observers; the executor itself does none of them, and a pipeline with no
 observers does no work for them.
 
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-DispatchKind = Literal["forward", "backward", "zeros", "add", "sum", "update", "transfer"]
+DispatchKind = Literal["gather", "forward", "backward", "zeros", "add", "sum", "update", "transfer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,8 @@ class Dispatch:
 
     Attributes:
       stage: the stage whose devices it goes to.
-      kind: ``"forward"``, ``"backward"`` (one microbatch's), ``"zeros"`` (the stage's gradient
+      kind: ``"gather"`` (an ``fsdp`` stage's parameter shards gathered whole, once a step),
+        ``"forward"``, ``"backward"`` (one microbatch's), ``"zeros"`` (the stage's gradient
         accumulators), ``"add"`` (two cotangents of one activation summed), ``"sum"`` (a
         data-parallel stage's replica gradients summed before they move to the parameter's
         owner), ``"update"`` (the stage's optimizer step) or ``"transfer"`` (a value placed on

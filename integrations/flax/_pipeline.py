@@ -35,6 +35,15 @@ stage runs its (phase, microbatch, chunk) steps in Megatron-LM's interleaved ord
 per-replica microbatch (b/dp samples) and runs under ``jax.shard_map`` over ``"data"``
 (:mod:`integrations.flax._programs`); batch-major activations cross stages split over ``"data"``.
 
+**FSDP inside a stage** (``stage.fsdp``, dp > 1): the stage stores its parameters and optimizer
+moments split over ``"data"`` (:func:`~integrations.flax._shard.stored_spec`); once a step, one
+program all-gathers every parameter its programs read (a tied table read by a later stage too, on
+that stage) and the stage keeps them whole for its microbatches, as Llama 3's pipelines run FSDP
+(parameters not resharded after the forward; Dubey et al. 2024, §3.3.2); its update sums the
+replicas' gradients straight into the stored shards (a reduce-scatter). These are the bytes the
+cost model prices for ``fsdp``: each layer's parameters gathered and its gradients
+reduce-scattered once a step.
+
 **Code.** :class:`~integrations.flax._programs.PipelineBuilder` builds what a step dispatches
 (meshes, shardings, each stage's compiled programs per batch shape);
 :class:`~integrations.flax._runner.StepRun` dispatches one step in schedule order. Observers
@@ -146,7 +155,7 @@ class _Recorder:
     def on_dispatch(self, dispatch: Dispatch) -> None:
         if dispatch.kind in ("forward", "backward") and dispatch.microbatch == 0:
             self._record(dispatch, per_step=self.microbatches)
-        elif dispatch.kind in ("sum", "update"):
+        elif dispatch.kind in ("gather", "sum", "update"):
             self._record(dispatch, per_step=1)
 
     def _record(self, dispatch: Dispatch, per_step: int) -> None:

@@ -8,8 +8,10 @@ accumulators, and the cotangents of its inputs.
 With dp > 1 the stage's forward and backward run under ``jax.shard_map`` with ``"data"`` manual
 and ``"model"`` left to XLA (tensor parallelism by the parameters' shardings). Each replica
 accumulates its own gradients into a buffer with a leading replica axis; the update sums that
-axis, which is the step's one gradient all-reduce. A replicated activation's cotangent is summed
-over replicas (``psum``) by its consumer and split 1/dp per replica by its producer.
+axis, which is the step's one gradient all-reduce (on an ``fsdp`` stage a reduce-scatter into the
+stored shards, which one gather program a step makes whole again). A replicated activation's
+cotangent is summed over replicas (``psum``) by its consumer and split 1/dp per replica by its
+producer.
 
 Under virtual stages (``plan.virtual_stages`` = v > 1) there is one program per model chunk
 (:func:`~integrations.flax._stages.chunk_layers`), v·S in all, chunk k compiled for stage k mod S's
@@ -29,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from integrations.flax._capture import is_param_path, param_path_name
-from integrations.flax._shard import DATA, device_map, leaf_params, param_owners, param_spec, stage_mesh
+from integrations.flax._shard import DATA, device_map, leaf_params, param_owners, param_spec, stage_mesh, stored_spec
 from integrations.flax._stages import StageProgram, chunk_layers, cut_stages
 from orchestrator.simulate import chunk_order
 
@@ -259,8 +261,10 @@ class PipelineBuilder:
         self.owners = param_owners(plan, layers)
         # Per state leaf: the stage owning it (a parameter or its optimizer moments), None if shared.
         self.leaf_owner = [None if name is None else self.owners[name] for name, _ in leaf_params(state)]
+        self.param_shapes = {path: tuple(np.shape(leaf)) for path, leaf in self.params_of(state).items()}
         self.updates = [self._update_fn(s) for s in range(len(plan.stages))]
         self._built: dict[str, Built] = {}
+        self._gathers: dict[tuple, Callable] = {}
 
     zeros = staticmethod(zeros)
 
@@ -280,9 +284,25 @@ class PipelineBuilder:
         return NamedSharding(self.meshes[s], P(DATA) if batch_major else P())
 
     def param_sharding(self, s: int, path: str, shape) -> NamedSharding:
+        """A parameter as stage ``s``'s programs read it: split by tensor parallelism alone."""
         return NamedSharding(
             self.meshes[s], param_spec(shape, self.param_axes.get(path), self.plan.stages[s].tp, self.axis_rules)
         )
+
+    def stored_sharding(self, s: int, path: str, shape) -> NamedSharding:
+        """A parameter (its gradient sum too) as stage ``s`` stores it: split over ``"data"`` as
+        well on an ``fsdp`` stage (:func:`~integrations.flax._shard.stored_spec`)."""
+        stage = self.plan.stages[s]
+        return NamedSharding(self.meshes[s], stored_spec(stage, shape, self.param_axes.get(path), self.axis_rules))
+
+    def gather_fn(self, s: int, paths: tuple[str, ...], shapes: tuple) -> Callable:
+        """Stage ``s``'s one all-gather a step: the ``fsdp`` stage's stored shards of ``paths`` →
+        the parameters whole over ``"data"``, as its programs read them."""
+        key = (s, paths, shapes)
+        if key not in self._gathers:
+            out = [self.param_sharding(s, path, shape) for path, shape in zip(paths, shapes)]
+            self._gathers[key] = jax.jit(lambda shards: list(shards), out_shardings=out)
+        return self._gathers[key]
 
     def build(self, state, batch) -> Built:
         """The programs for ``batch``'s shape, cut and compiled on first use."""
@@ -328,18 +348,28 @@ class PipelineBuilder:
         return Built(micro=micro, programs=programs, fns=fns)
 
     def _update_fn(self, s: int):
-        stacked = self.plan.stages[s].dp > 1
+        stage = self.plan.stages[s]
+        stacked, sharded = stage.dp > 1, stage.fsdp and stage.dp > 1
+        stored = {
+            path: self.stored_sharding(s, path, shape)
+            for path, shape in self.param_shapes.items()
+            if sharded and self.owners.get(path) == s
+        }
+
+        def reduce(path, g, extra):
+            name = param_path_name(path)
+            g = g.sum(0) if stacked else g
+            if sharded:  # summed straight into the stored shards: a reduce-scatter
+                g = jax.lax.with_sharding_constraint(g, stored[name])
+            return g + sum(extra.get(name, []))
 
         def update(state, grads, extra):
             """``extra``: path → gradient contributions of other stages reading this stage's parameters.
 
-            Gradients of a data-parallel stage carry a leading replica axis: summing it is the step's one sync.
+            Gradients of a data-parallel stage carry a leading replica axis: summing it is the
+            step's one sync (on an ``fsdp`` stage, into each replica's shard).
             """
-            if stacked:
-                grads = jax.tree.map(lambda g: g.sum(0), grads)
-            grads = jax.tree_util.tree_map_with_path(
-                lambda path, g: g + sum(extra.get(param_path_name(path), [])), grads
-            )
+            grads = jax.tree_util.tree_map_with_path(lambda path, g: reduce(path, g, extra), grads)
             return state.apply_gradients(grads=grads)
 
         return jax.jit(update, donate_argnums=(0,))

@@ -80,15 +80,24 @@ class StepRun:
 
     # -- forwards and backwards ---------------------------------------------------------------
     def _place_params(self) -> list[dict[str, jax.Array]]:
-        """Per stage, the parameters its programs read on its mesh (another stage's copied once per step)."""
+        """Per stage, the parameters its programs read on its mesh (another stage's copied once per
+        step); an ``fsdp`` stage places their shards and gathers them whole in one program."""
         params = self.b.params_of(self.state)
         out: list[dict[str, jax.Array]] = [{} for _ in range(self.n)]
+        shards: list[dict[str, jax.Array]] = [{} for _ in range(self.n)]
         for p in self.built.programs:
             s = self.rank[p.index]
+            sharded = self.b.plan.stages[s].fsdp and self.b.plan.stages[s].dp > 1
+            into, where = (shards[s], self.b.stored_sharding) if sharded else (out[s], self.b.param_sharding)
             for kind in p.inputs:
-                if kind[0] == "param" and kind[1] not in out[s]:
+                if kind[0] == "param" and kind[1] not in into:
                     leaf = params[kind[1]]
-                    out[s][kind[1]] = self._put(s, leaf, self.b.param_sharding(s, kind[1], leaf.shape))
+                    into[kind[1]] = self._put(s, leaf, where(s, kind[1], leaf.shape))
+        for s, held in enumerate(shards):
+            if held:
+                paths = tuple(held)
+                gather = self.b.gather_fn(s, paths, tuple(held[path].shape for path in paths))
+                out[s].update(zip(paths, self._call(s, "gather", gather, [held[path] for path in paths])))
         return out
 
     def _args_of(self, k: int, mb: int) -> list:
@@ -213,7 +222,7 @@ class StepRun:
                     continue
                 if f.dp > 1:  # this stage's replicas sync their share before it moves
                     g = self._call(s, "sum", _sum0, g)
-                g = self._put(owner, g, self.b.param_sharding(owner, path, g.shape))
+                g = self._put(owner, g, self.b.stored_sharding(owner, path, g.shape))
                 extra[owner].setdefault(path, []).append(g)
         return grads, extra
 
@@ -250,7 +259,9 @@ class StepRun:
             name = param_path_name(path)
             if self.b.owners[name] != s:
                 return None
-            return grads[s][name] if name in grads[s] else zeros(leaf, leaf.sharding, dp)
+            if name in grads[s]:
+                return grads[s][name]
+            return zeros(leaf, self.b.param_sharding(s, name, leaf.shape), dp)
 
         return jax.tree_util.tree_map_with_path(leaf_grad, self.state.params)
 

@@ -13,14 +13,16 @@ stage holding the layer that first reads it, ``Layer.params``); its
 which is Megatron's column/row split for the recipes' kernels; it is
 :func:`orchestrator.costs.logical_to_mesh_axes`, the rule the cost model prices. Optimizer-state
 leaves whose key path ends with a parameter's key path and have its shape
-(AdamW's ``mu``, ``nu``) follow that parameter; with ``zero=True`` they are
-additionally split over ``"data"`` on their first free dimension that dp
-divides (ZeRO-1). On a stage whose plan says ``fsdp`` (ZeRO-3) the parameters are
-split the same way too: each is stored 1/dp per replica, and XLA's partitioner all-gathers it
-where a matmul reads it and reduce-scatters its gradient (on XLA:CPU an all-reduce of the
-gradient sliced to the replica's shard, the same operand bytes). Every other leaf (step
-counters) is replicated on the first stage's mesh. A batch is split over ``"data"`` on its
-first dimension.
+(AdamW's ``mu``, ``nu``) follow that parameter; with ``zero=True`` (ZeRO-1) they are
+additionally split over ``"data"`` on their first free dimension that dp divides, or, where dp
+divides no dimension tensor parallelism leaves whole (a column-parallel bias), over
+``("model", "data")`` on the first split one that tp·dp divides. On a stage whose plan says
+``fsdp`` (ZeRO-3) the parameters are split the same way too: each is stored 1/dp per replica, as the cost model
+prices it. In a one-stage plan XLA's partitioner all-gathers a parameter where a matmul reads it
+and reduce-scatters its gradient (on XLA:CPU an all-reduce of the gradient sliced to the
+replica's shard, the same operand bytes); a pipeline stage gathers its parameters once a step
+(:mod:`integrations.flax._pipeline`). Every other leaf (step counters) is replicated on the
+first stage's mesh. A batch is split over ``"data"`` on its first dimension.
 """
 
 from __future__ import annotations
@@ -99,11 +101,34 @@ def param_spec(
     return P(*logical_to_mesh_axes(shape, axes, tp, axis_rules))
 
 
-def _zero_spec(spec: P, shape: Sequence[int], dp: int) -> P:
+def stored_spec(
+    stage,
+    shape: Sequence[int],
+    axes: Sequence[str | None] | None,
+    axis_rules: LogicalAxisRules | None = None,
+    *,
+    moment: bool = False,
+    zero: bool = False,
+) -> P:
+    """The PartitionSpec a parameter (or, ``moment``, one of its optimizer moments) is stored with
+    on ``stage``'s mesh: its tensor-parallel spec, split over ``"data"`` too where the stage says
+    ``fsdp`` or, for a moment, ``zero`` (see module docstring)."""
+    spec = param_spec(shape, axes, stage.tp, axis_rules)
+    if (stage.fsdp or (moment and (zero or stage.zero))) and stage.dp > 1:
+        spec = _zero_spec(spec, shape, stage.dp, stage.tp)
+    return spec
+
+
+def _zero_spec(spec: P, shape: Sequence[int], dp: int, tp: int) -> P:
     entries = list(spec) + [None] * (len(shape) - len(spec))
     for i, (entry, size) in enumerate(zip(entries, shape)):
         if entry is None and size % dp == 0:
             entries[i] = DATA
+            return P(*entries)
+    # dp divides no dim tensor parallelism leaves whole (a column-parallel bias): split a split one further
+    for i, (entry, size) in enumerate(zip(entries, shape)):
+        if entry == MODEL and size % (tp * dp) == 0:
+            entries[i] = (MODEL, DATA)
             return P(*entries)
     return spec
 
@@ -197,10 +222,7 @@ def state_shardings(
 
     def param_sharding(name: str, shape, *, moment: bool) -> NamedSharding:
         s = owner_of(name)
-        stage = plan.stages[s]
-        spec = param_spec(shape, param_axes.get(name), stage.tp, axis_rules)
-        if (stage.fsdp or (moment and (zero or stage.zero))) and stage.dp > 1:
-            spec = _zero_spec(spec, shape, stage.dp)
+        spec = stored_spec(plan.stages[s], shape, param_axes.get(name), axis_rules, moment=moment, zero=zero)
         return NamedSharding(meshes[s], spec)
 
     out = []

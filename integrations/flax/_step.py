@@ -13,7 +13,8 @@ A stage that says ``fsdp`` keeps its parameters split over ``"data"`` too
 (:mod:`integrations.flax._options`), with the same shardings.
 
 A multi-stage plan runs as an MPMD pipeline (:mod:`integrations.flax._pipeline`), with its
-virtual stages (interleaved 1F1B) when it has them.
+virtual stages (interleaved 1F1B) when it has them, and each stage's options (FSDP, sequence
+parallelism, selective recompute) inside its programs.
 """
 
 from __future__ import annotations
@@ -120,12 +121,6 @@ def compile_step(
             f"the plan interleaves {plan.virtual_stages} virtual stages on "
             f"{'one stage' if len(plan.stages) == 1 else 'context-parallel stages'}, which no executor runs: "
             "plan with virtual_stages=False (the default) to execute it"
-        )
-    sharded = [s for s, stage in enumerate(plan.stages) if stage.fsdp]
-    if len(plan.stages) > 1 and sharded:
-        raise ValueError(
-            f"stage {sharded[0]} of the {len(plan.stages)}-stage plan asks for FSDP, which the pipeline executor "
-            "does not run: plan one stage or without it"
         )
     if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: ring attention (_context)
         from integrations.flax._context import ContextParallelStep
