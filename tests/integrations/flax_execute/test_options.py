@@ -1,6 +1,6 @@
 """A plan's FSDP, sequence parallelism and selective recompute, run on the 8 virtual devices for
-tiny GPT: five steps train like one device, and the compiled program communicates and holds what
-the cost model prices for the option."""
+tiny GPT on one stage and in pipeline stages (FSDP under virtual stages too): five steps train like
+one device, and the compiled programs communicate and hold what the cost model prices for the option."""
 
 import dataclasses
 
