@@ -88,9 +88,9 @@ def search_space(
     ``sequence_parallel``: price every TP group with sequence parallelism; likewise
     ``selective_recompute``, ``fsdp`` (every data-parallel group) and ``overlap_param_gather``.
     The plans record the first three per stage (``Stage``); ``integrations.flax.compile_step``
-    runs them (FSDP on one-stage plans only) and ``integrations.torch_xla.apply`` refuses them,
-    so ``plan()``, which may return a pipeline or a plan for torch, does not ask for them
-    (``overlap_param_gather`` is a pricing option for published configurations)."""
+    runs them, on one stage and in pipelines, and ``integrations.torch_xla.apply`` refuses them,
+    so ``plan()`` asks for them only when told (its keywords, off by default;
+    ``overlap_param_gather`` is a pricing option for published configurations)."""
     infos = type_infos(model.cluster, memory_headroom=memory_headroom)
     keys = [(layer.signature, layer.activation_bytes) for layer in model.layers]
     settings = {"recompute": recompute, "tensor_parallel": model.tensor_parallel}
