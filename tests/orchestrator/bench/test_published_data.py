@@ -60,6 +60,7 @@ ALLOWED = {
     ("model", "mlp"): {"gelu", "swiglu", None},
     ("model", "norm"): {"layernorm", "rmsnorm", None},
     ("model", "position"): {"learned", "rope", None},
+    ("model", "attention"): {"flash", "materialized", None},
     ("cluster", "gpu"): {"a100-40gb", "a100-80gb", "h100-sxm-80gb"},
     ("parallel", "recompute"): {"none", "selective", "full", None},
     ("parallel", "zero"): {0, 1, 3, None},
@@ -155,6 +156,29 @@ WITH_MICROBATCH = [r for r in RUNS if r["parallel"]["microbatch_size"] is not No
 def test_global_batch_splits_into_whole_microbatches(run):
     p = run["parallel"]
     assert run["global_batch"] % (p["dp"] * p["microbatch_size"]) == 0
+
+
+GPU_MEMORY_BYTES = {"a100-40gb": 40 * 2**30, "a100-80gb": 80 * 2**30, "h100-sxm-80gb": 80 * 2**30}
+
+
+def first_stage_scores_bytes(run: dict) -> float:
+    """The bf16 scores the first pipeline stage of 1F1B keeps without recomputation (README.md):
+    min(PP, M) microbatches of its l/PP layers, each (heads/TP)·(s/CP)·s per sequence."""
+    m, p = run["model"], run["parallel"]
+    microbatch = p["microbatch_size"] or 1
+    in_flight = min(p["pp"], run["global_batch"] // (p["dp"] * microbatch))
+    per_layer = microbatch * m["heads"] / p["tp"] * (m["seq_len"] / p["cp"]) * m["seq_len"] * 2
+    return in_flight * m["layers"] / p["pp"] * per_layer
+
+
+def test_no_run_keeps_scores_its_gpus_cannot_hold():
+    """A run that recomputes nothing and whose scores alone exceed its GPUs' memory ran a fused
+    attention kernel: the row says so (derived where the source names no kernel), so it is never
+    priced with the scores in memory. Llama 3 405B at 8K keeps 252 GiB of them."""
+    held = [r for r in RUNS if r["parallel"]["recompute"] in ("none", None)]
+    over = [r for r in held if first_stage_scores_bytes(r) > GPU_MEMORY_BYTES[r["cluster"]["gpu"]]]
+    assert over and all(r["model"]["attention"] == "flash" for r in over)
+    assert first_stage_scores_bytes(_by_id("llama3-405b-8k-16384gpu")) == 252 * 2**30
 
 
 def test_data_covers_sources_sizes_and_gpu_generations():

@@ -28,3 +28,18 @@ def test_a_block_keeps_korthikantis_activations_with_the_recipes_gelu():
     config = ParallelConfig(tp=t, microbatch_size=1, sequence_parallel=True, selective_recompute=True)
     block = model.layer_cost(1, run.gpu_type, config)
     assert block.activation_bytes == pytest.approx((34 - 2 + 8) * s * h / t, rel=0.01)
+
+
+def test_llama_at_8k_is_priced_with_a_fused_attention_that_keeps_no_scores():
+    """Llama 3 405B at 8K, whose scores cannot have fit (its attention derived as ``flash`` in the
+    data), is captured with the fused kernel: a block at TP 8 keeps less than one of the scores
+    (16 heads of 8,192 × 8,192 in bf16) it would keep two of in memory. Two blocks captured."""
+    run = next(r for r in load_runs() if r.id == "llama3-405b-8k-16384gpu")
+    assert run.model["attention"] == "flash"
+    config = ParallelConfig(tp=run.parallel["tp"], microbatch_size=1)
+    scores = run.model["heads"] // config.tp * run.model["seq_len"] ** 2 * 2
+    fused = run_model(dataclasses.replace(run, model={**run.model, "layers": 2}))
+    assert any(op.primitive == "pallas_call" for op in fused.graph.ops())
+    assert fused.layer_cost(1, run.gpu_type, config).activation_bytes < scores
+    plain = run_model(dataclasses.replace(run, model={**run.model, "layers": 2, "attention": None}))
+    assert plain.layer_cost(1, run.gpu_type, config).activation_bytes > 2 * scores
