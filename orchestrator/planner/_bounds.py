@@ -64,7 +64,11 @@ def packing_bounds(
             [g for g in space.groups if space.table.microbatch(g, M) is not None], space.runs, space.table, M
         )
         simple = max(
-            capacity_bound_s(space.runs, groups, space.table, space.infos, M, best.schedule) if groups else math.inf,
+            capacity_bound_s(
+                space.runs, groups, space.table, space.infos, M, best.schedule, max_stages=max_stages, below_s=cutoff_s
+            )
+            if groups
+            else math.inf,
             (known or {}).get(M, 0.0),
         )
         # (an M whose capacity alone reaches the cutoff needs no packing LP)

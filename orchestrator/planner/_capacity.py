@@ -3,33 +3,53 @@
 The solve-free capacity bound (``_ilp.simple_bound_s``) spreads every layer's cheapest
 device-seconds over all N devices, as if every device were as fast as the fastest type's. On a
 mixed cluster that counts an L4 as an H100. Here each type t has its own N_t devices, and its
-own memory.
+own memory, and a plan has at most S stages (``max_stages``): a type's devices are used only by
+stages large enough to take them, which single devices running a layer each at full efficiency
+are not.
 
-For M microbatches, let y[r,g] ≥ 0 be the layers of run r held by stages on group g (a plan's
-stage count and order play no part), and T the bottleneck per microbatch:
+For M microbatches, let y[r,g] ≥ 0 be the layers of run r held by stages on group g, w[g] ≥ 0 the
+compute per microbatch of those stages together, m[g] ≥ 0 how many stages are on g (a plan's order
+plays no part), T the bottleneck per microbatch and Z the step:
 
     Σ_g y[r,g] = n_r                                              every layer placed
-    Σ_{r, g with a part of type t} size_t(g)·τ[r,g]·y[r,g] ≤ N_t·T        compute of type t
+    Σ_r τ[r,g]·y[r,g] ≤ w[g]                                      the compute of g's stages
+    Σ_{g with a part of type t} size_t(g)·w[g] ≤ N_t·T                compute of type t
+    Σ_g w[g] ≤ S·T                                                 at most S stages, each within T
     Σ_{r, g, parts q of g on type t} size_q·(σ_q + α_q·k)·y[r,g] / mem_q(g) ≤ N_t   memory of type t
+    Σ_g m[g] ≤ S,  Σ_{g with a part of type t} size_t(g)·m[g] ≤ N_t       stages and their devices
+    Σ_r (σ_q + α_q·k)·y[r,g] ≤ (mem_q(g) − ρ_q(g))·m[g]             the memory of g's stages, per part
+    y[r,g] ≤ f[r,g]·m[g]                                           whole layers one stage holds
+    Z ≥ M·T,   Z ≥ α(S)·Σ_g w[g],  α(S) = 1 / (1 − (1 − 1/M)^S)        the bottleneck and the fill
 
-(τ time, σ static, α activation memory per in-flight microbatch of one layer per device, from
-the :class:`CostTable` the ILP reads; k the fewest microbatches any stage holds in flight: 1
-under 1F1B, M under GPipe; mem_q(g) what a device of part q may fill.)
+(τ time, σ static, α activation memory per in-flight microbatch and ρ transient of one layer per
+device, from the :class:`CostTable` the ILP reads; ρ_q(g) the least over runs; k the fewest
+microbatches any stage holds in flight: 1 under 1F1B, M under GPipe; mem_q(g) what a device of
+part q may fill; f[r,g] the most layers of run r beside its transient in one stage's memory,
+at most n_r.) With a cutoff C (``below_s``), only plans faster than C are bounded: each stage then
+computes within C/M, so also w[g] ≤ (C/M)·m[g], no layer slower than C/M is placed, and f[r,g] ≤
+⌊(C/M) / τ[r,g]⌋; the bound is then min(Z*, C), and C where the LP is infeasible.
 
-**Why it is a bound.** Take any plan: stage s on group g_s computes c_s = Σ τ over its layers per
-microbatch, and the closed form (``_closed_form``) gives step ≥ M·c_s for every stage (1F1B:
-E_s ≥ B_s + M·b_s + (M − K_s)·f_s with B_s ≥ U^f_s + K_s·f_s; GPipe: both flow shops pass every
-microbatch through s). So with T = step / M, every stage computes within T, and a stage's devices
-of type t give size_t(g_s)·c_s ≤ size_t(g_s)·T device-seconds; the stages on t use at most N_t
-devices, so the compute row holds with y the plan's layers per group. Every device holds its
-layers' static memory and at least k microbatches of their activations, within mem_q, so each
-device's share of the memory row is at most 1, and type t has at most N_t of them. The plan is
-therefore a point of the LP with T = step / M, and M·T* (T* the LP's least T) bounds its step.
+**Why it is a bound.** Take any plan of S′ ≤ S stages: stage s on group g_s computes c_s = Σ τ over
+its layers per microbatch, and the closed form (``_closed_form``) gives step ≥ Σ_{s′<s} c_s′ + M·c_s
+for every stage s in pipeline order (1F1B: E_s ≥ B_s + M·b_s + (M − K_s)·f_s with B_s ≥ U^f_s +
+K_s·f_s, and the drain U^b_s after it; GPipe: both flow shops pass every microbatch through s after
+the forwards of the stages before it and before their backwards). So with T = step / M every stage
+computes within T. Let w[g] be Σ c_s over the stages on g and m[g] their number. Then Σ_g w[g] =
+Σ_s c_s ≤ S′·T ≤ S·T; a stage's devices of type t give size_t(g_s)·c_s ≤ size_t(g_s)·T device-seconds
+and the stages on t use at most N_t devices; each stage's devices hold its layers' static memory
+and at least k microbatches of their activations beside a transient of at least ρ, within mem_q,
+which summed over g's stages is the per-group row and, per device, the per-type row; each stage
+holds at most f[r,g] layers of run r. The fill: weighting the stages' rows by λ_s = (α/M)·(1 −
+1/M)^{S′−1−s} (they sum to 1 at α = α(S′)) gives step ≥ α(S′)·Σ_s c_s, and α falls as S′ grows, so
+α(S) holds for every plan of at most S stages. With a cutoff, a plan faster than C has every
+c_s ≤ step/M < C/M, so w[g] ≤ (C/M)·m[g] and no stage holds a layer slower than C/M. The plan is
+therefore a point of the LP with Z = its step, and Z* bounds it.
 
-The LP has R·G columns and two rows per type, so it costs less than one probe of the packing
-bound (``_packing``), and on ``mixed-4type-512`` it doubles the capacity bound of GPT-175B.
-``tests/orchestrator/planner/test_capacity.py`` checks that it never exceeds the exhaustive
-optimum.
+The LP has 3 columns per (run, group) and a few rows per group and type, a fraction of one
+probe of the packing bound (``_packing``). On ``mixed-4type-512`` GPT-175B's bound rises from
+315 s to 330–422 s at the M of the best plans and past the cutoff of a 437 s incumbent at every
+M ≤ 48, which no packing LP then needs. ``tests/orchestrator/planner/test_capacity.py`` checks
+that it never exceeds the exhaustive optimum of at most S stages, with and without a cutoff.
 """
 
 from __future__ import annotations
@@ -53,10 +73,14 @@ def capacity_bound_s(
     schedule: str,
     *,
     memory: bool = True,
+    max_stages: int | None = None,
+    below_s: float = math.inf,
 ) -> float:
-    """M·T* of the LP above (seconds), never below ``simple_bound_s``: +inf where no group divides
-    the microbatch, or where the layers' memory exceeds some type's (``memory``: with the memory rows;
-    without them, as a diagnosis that lets memory grow needs). Without HiGHS, ``simple_bound_s``."""
+    """The LP's least Z (seconds), never below ``simple_bound_s``: +inf where no group divides the
+    microbatch, or where no plan of at most ``max_stages`` stages (default: one a layer) fits (``memory``:
+    with the memory rows; without them, as a diagnosis that lets memory grow needs). With ``below_s``
+    (a cutoff), only plans faster than it are bounded: the bound is then at most ``below_s``, which it
+    is where none is. Without HiGHS, ``simple_bound_s``."""
     M = microbatches
     simple = simple_bound_s(runs, groups, table, infos, M)
     valid = [g for g in groups if table.microbatch(g, M) is not None]
@@ -65,20 +89,30 @@ def capacity_bound_s(
     import highspy
 
     R, G = len(runs), len(valid)
-    y = np.arange(R * G).reshape(R, G)  # column of y[r, g]; then T (ms)
-    T = R * G
+    stages = float(max_stages if max_stages is not None else sum(run.count for run in runs))
+    # columns: y[r, g], then w[g] and m[g], then T and Z (ms)
+    y = np.arange(R * G).reshape(R, G)
+    w, m = R * G + np.arange(G), R * G + G + np.arange(G)
+    T, Z = R * G + 2 * G, R * G + 2 * G + 1
     k = in_flight(schedule, M, 1, 0)
-    time = np.array([[table.entry(run.first, g, M).time_s * MS for g in valid] for run in runs])
+    # times in units of the cutoff's bottleneck (cutoff / M) where one is given, else ms: the capped
+    # rows then have unit coefficients, which keeps HiGHS's presolve decided
+    unit_s = below_s / M if math.isfinite(below_s) else 1 / MS
+    time = np.array([[table.entry(run.first, g, M).time_s / unit_s for g in valid] for run in runs])
     rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
     for r, run in enumerate(runs):
         rows.append((y[r], np.ones(G), float(run.count), float(run.count)))
+    for g in range(G):  # w_g: the compute of the stages on g, per microbatch
+        rows.append((np.r_[y[:, g], w[g]], np.r_[time[:, g], -1.0], -math.inf, 0.0))
+    rows.append((np.r_[w, T], np.r_[np.ones(G), -stages], -math.inf, 0.0))  # Σ_s c_s ≤ S·T
+    rows.append((m, np.ones(G), -math.inf, stages))  # at most S stages
     for t, info in infos.items():
         mine = [g for g in range(G) if t in valid[g].by_type]
         if not mine:
             continue
         size = np.array([float(valid[g].by_type[t]) for g in mine])
-        cols = y[:, mine].ravel()
-        rows.append((np.r_[cols, T], np.r_[(time[:, mine] * size).ravel(), -float(info.devices)], -math.inf, 0.0))
+        rows.append((np.r_[w[mine], T], np.r_[size, -float(info.devices)], -math.inf, 0.0))
+        rows.append((m[mine], size, -math.inf, float(info.devices)))
         if not memory:
             continue
         shares = np.zeros((R, len(mine)))  # one layer's share of the type's devices' memory
@@ -89,17 +123,58 @@ def capacity_bound_s(
                 ):
                     if kind == t:
                         shares[r, i] += count * (part.static_bytes + k * part.activation_bytes) / capacity
-        rows.append((cols, shares.ravel(), -math.inf, float(info.devices)))
-    cost = np.zeros(R * G + 1)
-    cost[T] = 1.0
-    highs = highs_lp(cost, np.full(R * G + 1, math.inf), rows)
+        rows.append((y[:, mine].ravel(), shares.ravel(), -math.inf, float(info.devices)))
+    capped = math.isfinite(below_s)
+    # fits[r, g]: the most layers of run r one stage on g holds (its memory beside the layer's transient,
+    # and compute within cutoff / M: one unit)
+    fits = np.array([[float(run.count)] * G for run in runs])
+    if capped:
+        with np.errstate(divide="ignore"):
+            fits = np.minimum(fits, np.floor(np.where(time > 0, 1.0 / time, np.inf) * (1 + 1e-9)))
+    if memory:  # the stages on g hold their layers within m_g stages' memory, per part
+        for g in range(G):
+            parts = [table.memory_parts(run.first, valid[g], M) for run in runs]
+            for q, (capacity, _) in enumerate(parts[0]):
+                held = np.array([cells[q][1].static_bytes + k * cells[q][1].activation_bytes for cells in parts])
+                transients = np.array([cells[q][1].transient_bytes for cells in parts])
+                rows.append(
+                    (np.r_[y[:, g], m[g]], np.r_[held / capacity, transients.min() / capacity - 1.0], -math.inf, 0.0)
+                )
+                free = capacity - transients
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    whole = np.where(held > 0, np.floor(free / np.where(held > 0, held, 1.0)), np.inf)
+                fits[:, g] = np.minimum(fits[:, g], np.where(free >= 0, whole, 0.0))
+    for r in range(R):  # y[r, g] ≤ fits[r, g]·m_g: each stage on g holds at most that many
+        for g in range(G):
+            rows.append((np.array([y[r, g], m[g]]), np.array([1.0, -fits[r, g]]), -math.inf, 0.0))
+    if capped:  # a plan below the cutoff has every stage within cutoff / M (one unit): w_g ≤ m_g
+        for g in range(G):
+            rows.append((np.array([w[g], m[g]]), np.array([1.0, -1.0]), -math.inf, 0.0))
+    rows.append((np.array([Z, T]), np.array([1.0, -float(M)]), 0.0, math.inf))  # step ≥ M·T
+    fill = 1.0 / (1.0 - (1.0 - 1.0 / M) ** stages)  # step ≥ α(S)·Σ_s c_s, α falling in S
+    rows.append((np.r_[Z, w], np.r_[1.0, np.full(G, -fill)], 0.0, math.inf))
+    cost = np.zeros(Z + 1)
+    cost[Z] = 1.0
+    upper = np.full(Z + 1, math.inf)
+    if capped:  # a layer slower than cutoff / M fits no stage of such a plan
+        upper[y[time > 1 + 1e-9]] = 0.0
+    highs = highs_lp(cost, upper, rows)
     work.run(highs)
     status = highs.getModelStatus()
+    # HiGHS's presolve can end undecided (kUnknown) on the capped rows: then a fresh start without
+    # it, then the interior-point solver (the packing LPs' retries)
+    for option, value in (("presolve", "off"), ("solver", "ipm")):
+        if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
+            break
+        highs.clearSolver()
+        highs.setOptionValue(option, value)
+        work.run(highs)
+        status = highs.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
-        return math.inf
+        return below_s
     if status != highspy.HighsModelStatus.kOptimal:  # undecided: the solve-free bound still holds
-        return simple
-    return max(simple, M * highs.getInfo().objective_function_value / MS)
+        return min(simple, below_s)
+    return min(max(simple, highs.getInfo().objective_function_value * unit_s), below_s)
 
 
 def _parts(group: GroupConfig) -> list[tuple[str, int]]:

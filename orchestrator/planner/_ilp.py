@@ -694,7 +694,14 @@ class StageModel:
             from orchestrator.planner._capacity import capacity_bound_s  # (it reads this module's runs)
 
             self._capacity = capacity_bound_s(
-                self.runs, self.groups, self.table, self.infos, self.M, self.schedule, memory=not self.repair
+                self.runs,
+                self.groups,
+                self.table,
+                self.infos,
+                self.M,
+                self.schedule,
+                memory=not self.repair,
+                max_stages=self.J,
             )
         return self._capacity
 

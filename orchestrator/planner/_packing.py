@@ -242,17 +242,21 @@ class _BottleneckLP:
             within = fits if time_s <= 0 else min(fits, math.floor(bottleneck_s / time_s * (1 + 1e-9)))
             self.highs.changeCoeff(row, column, -float(within))
         decided = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
-        if self.last_s is not None and abs(bottleneck_s - self.last_s) > WARM_WITHIN * self.last_s:
+        fresh = self.last_s is None
+        if not fresh and abs(bottleneck_s - self.last_s) > WARM_WITHIN * self.last_s:
             # far from the last T a warm start tends to end undecided, slowly, where a fresh start
             # decides at once
             self.highs.clearSolver()
+            fresh = True
         self.last_s = bottleneck_s
         work.run(self.highs)
         status = self.highs.getModelStatus()
         # a warm start can end undecided (kUnknown after a large change of T), and so can a fresh
         # start with or without presolve, on different probes of the same model; an undecided
-        # probe weakens the bound. Try each fresh start in turn, then the interior-point solver.
-        for option, value in (("presolve", "choose"), ("presolve", "off"), ("solver", "ipm")):
+        # probe weakens the bound. Try each fresh start in turn, then the interior-point solver;
+        # a fresh start with presolve is not tried twice (the same solve ends the same way)
+        retries = (("presolve", "choose"), ("presolve", "off"), ("solver", "ipm"))
+        for option, value in retries[1:] if fresh else retries:
             if status in decided:
                 break
             self.highs.clearSolver()

@@ -48,3 +48,32 @@ def test_without_memory_rows_the_bound_is_the_compute_one():
         for M in (1, 4):
             args = (space.runs, space.groups, space.table, space.infos, M, "1f1b")
             assert capacity_bound_s(*args, memory=False) <= capacity_bound_s(*args) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stage_count_rows_never_exceed_the_best_plan_of_at_most_that_many_stages(schedule):
+    """With the deepest pipeline given (Σ_s c_s ≤ S·T, at most S stages' memory, the fill α(S)·Σ_s c_s)
+    and with a cutoff just above the optimum (every stage within cutoff / M), the bound stays at or
+    below the best plan of at most S stages; with no plan below a cutoff it may reach the cutoff."""
+    compared = lifted = 0
+    for seed in range(20):
+        model = random_instance(seed)
+        space = search_space(model, BATCH, recompute=True)
+        for stages in (1, 2, STAGES):
+            for M in (1, 2, 4, 8):
+                args = (space.runs, space.groups, space.table, space.infos, M, schedule)
+                truth = exhaustive_plan(
+                    model, global_batch=BATCH, schedule=schedule, microbatch_candidates=(M,), max_stages=stages
+                )
+                bound = capacity_bound_s(*args, max_stages=stages)
+                if truth is None:
+                    continue
+                optimum = truth.iteration_s
+                assert bound <= optimum * (1 + 1e-6), f"seed {seed}, M={M}, S={stages}: {bound} > {optimum}"
+                above = capacity_bound_s(*args, max_stages=stages, below_s=optimum * 1.001)
+                assert above <= optimum * (1 + 1e-6), f"seed {seed}, M={M}, S={stages}: {above} > {optimum}"
+                assert capacity_bound_s(*args, max_stages=stages, below_s=optimum * 0.999) <= optimum * 0.999
+                compared += 1
+                lifted += bound > capacity_bound_s(*args) * 1.01
+    assert compared >= 60
+    assert lifted >= compared // 10, f"the stage rows lift the bound on only {lifted} of {compared}"
