@@ -351,7 +351,10 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
     """The planner's own plan of the run's model on the run's cluster, searched in the space of
     :func:`plan_options` from the published configuration as a start: the plan is priced no slower
     than that configuration on a plain schedule, and no slower than it interleaved where the planner
-    can interleave its stages (each stage's block count a multiple of v, ``virtual_stage_counts``)."""
+    can interleave its stages (each stage's block count a multiple of v, ``virtual_stage_counts``).
+    ``space_contains_published`` says whether the space the plan's gap covers holds the configuration
+    with its virtual stages and options, ``space_contains_published_plain`` whether it holds it at
+    v = 1 (the bound covers plain schedules: docs/planner.md, "Virtual stages")."""
     from orchestrator.planner import GroupConfig, PlanInfeasible, PlanNotFound, plan
 
     p = run.parallel
@@ -371,14 +374,20 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
     except (PlanInfeasible, PlanNotFound) as err:
         return {"planned_s": None, "plan_error": str(err).splitlines()[0]}
     stages = found.stages
-    # the space names stages by (type, devices, tp, recompute) and bounds plain schedules (v = 1), so
-    # the published configuration is looked up without its virtual stages and its pricing options
-    published = (run.gpu_type, group.size, group.tp, group.recompute)
+    # the space names stages by (type, devices, tp, recompute), with the virtual-stage counts its bound
+    # holds over and the options every stage is priced with; the published configuration is looked up
+    # with its own, and as its plain counterpart (v = 1), which is what a bound over plain schedules holds
+    published = {
+        "microbatches": M,
+        "stages": [(run.gpu_type, group.size, group.tp, group.recompute)] * p["pp"],
+        "options": [name for name, on in plan_options(run).items() if name != "max_stages" and on],
+    }
+    v = p.get("virtual_stages") or 1
     return {
         "planned_s": found.iteration_s,
         "planned_gap": found.gap,
-        "space_contains_published": found.space is not None
-        and found.space.contains(microbatches=M, stages=[published] * p["pp"]),
+        "space_contains_published": found.space is not None and found.space.contains(**published, virtual_stages=v),
+        "space_contains_published_plain": found.space is not None and found.space.contains(**published),
         "planned": f"{len(stages)} stages, TP {'/'.join(str(s.tp) for s in stages)}, "
         f"DP {'/'.join(str(s.dp) for s in stages)}, M {found.microbatches}, v {found.virtual_stages}",
     }

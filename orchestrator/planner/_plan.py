@@ -12,6 +12,16 @@ from typing import Literal
 
 Schedule = Literal["gpipe", "1f1b"]
 
+PricingOption = Literal["zero", "fsdp", "sequence_parallel", "selective_recompute", "overlap_param_gather"]
+PRICING_OPTIONS: tuple[PricingOption, ...] = (
+    "zero",
+    "fsdp",
+    "sequence_parallel",
+    "selective_recompute",
+    "overlap_param_gather",
+)
+"""The options a search prices every stage with (``plan()``'s keywords of the same names)."""
+
 
 class PlanInfeasible(ValueError):
     """No plan fits: the message names the binding constraint and what would make one exist."""
@@ -106,22 +116,36 @@ class Coverage:
         holds over. The planner's ILP bounds plain schedules (v = 1); a plan it returns may use
         v > 1, chosen after the ILP, which makes it no slower than the best plan of this space
         and may take it outside (docs/planner.md, "Virtual stages").
+      options: the pricing options every stage of the space is priced with, in
+        :data:`PRICING_OPTIONS` order (a stage applies each where it has the degree it needs: ZeRO and
+        FSDP under data parallelism, sequence parallelism under tensor parallelism); a configuration
+        priced with other options lies in another space.
     """
 
     microbatches: tuple[int, ...]
     max_stages: int
     groups: tuple[tuple[str, int, int, bool], ...]
     virtual_stages: tuple[int, ...] = (1,)
+    options: tuple[PricingOption, ...] = ()
 
     def contains(
-        self, *, microbatches: int, stages: Sequence[tuple[str, int, int, bool]], virtual_stages: int = 1
+        self,
+        *,
+        microbatches: int,
+        stages: Sequence[tuple[str, int, int, bool]],
+        virtual_stages: int = 1,
+        options: Sequence[str] = (),
     ) -> bool:
         """Whether a plan of ``stages`` (one (type, devices, tp, recompute) each) at ``microbatches``
-        and ``virtual_stages`` lies in this space."""
+        and ``virtual_stages``, priced with ``options`` (names of :data:`PRICING_OPTIONS`), lies in
+        this space. ValueError names an option that is not a pricing option."""
+        for name in options:
+            _option(name, "options")
         known = set(self.groups)
         return (
             microbatches in self.microbatches
             and virtual_stages in self.virtual_stages
+            and set(options) == set(self.options)
             and 1 <= len(stages) <= self.max_stages
             and all(tuple(stage) in known for stage in stages)
         )
@@ -134,6 +158,8 @@ class Coverage:
         _count(data["max_stages"], "max_stages")
         for v in data.get("virtual_stages", (1,)):
             _count(v, "virtual_stages")
+        for name in data.get("options", ()):
+            _option(name, "options")
         for group in data["groups"]:
             if not 4 <= len(group) <= 5 or not isinstance(group[0], str) or not isinstance(group[3], bool):
                 raise ValueError(f"groups: {group!r} is not [device type, devices, tp, recompute(, cp)]")
@@ -144,6 +170,7 @@ class Coverage:
             max_stages=data["max_stages"],
             groups=tuple((kind, size, tp, rc, *cp) for kind, size, tp, rc, *cp in data["groups"]),
             virtual_stages=tuple(data.get("virtual_stages", (1,))),
+            options=tuple(name for name in PRICING_OPTIONS if name in data.get("options", ())),
         )
 
 
@@ -206,6 +233,7 @@ class Plan:
                 "max_stages": self.space.max_stages,
                 "groups": [list(group) for group in self.space.groups],
                 "virtual_stages": list(self.space.virtual_stages),
+                "options": list(self.space.options),
             }
         return data
 
@@ -289,6 +317,11 @@ class Plan:
 def _count(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _option(value, name: str) -> None:
+    if value not in PRICING_OPTIONS:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(PRICING_OPTIONS)}")
 
 
 def _amount(value, name: str) -> None:

@@ -18,7 +18,7 @@ from orchestrator.planner._groups import (
     with_mixed_links,
 )
 from orchestrator.planner._ilp import Run, StageModel, layer_runs
-from orchestrator.planner._plan import Coverage
+from orchestrator.planner._plan import PRICING_OPTIONS, Coverage
 from orchestrator.planner._table import CostTable
 
 
@@ -42,10 +42,12 @@ class SearchSpace:
     layers: int
 
     def coverage(self, microbatches, max_stages: int) -> Coverage:
-        """This space searched at ``microbatches`` (counts M) up to ``max_stages`` stages; a
-        context-parallel group is named with its degree, (type, devices, tp, recompute, cp)."""
+        """This space searched at ``microbatches`` (counts M) up to ``max_stages`` stages, with the
+        pricing options of its cost table; a context-parallel group is named with its degree,
+        (type, devices, tp, recompute, cp)."""
         groups = tuple((g.device_type, g.size, g.tp, g.recompute) + ((g.cp,) if g.cp > 1 else ()) for g in self.groups)
-        return Coverage(microbatches=tuple(microbatches), max_stages=max_stages, groups=groups)
+        options = tuple(name for name in PRICING_OPTIONS if getattr(self.table, name))
+        return Coverage(microbatches=tuple(microbatches), max_stages=max_stages, groups=groups, options=options)
 
     def stage_model(
         self,

@@ -111,6 +111,7 @@ def test_a_plan_file_with_impossible_virtual_stages_or_space_is_refused_in_one_l
         ({"space": {**space, "groups": [["a", 1.5, 1, False]]}}, "not a search space"),
         ({"space": {**space, "microbatches": [0]}}, "not a search space"),
         ({"space": {**space, "virtual_stages": [float("nan")]}}, "not a search space"),
+        ({"space": {**space, "options": ["zero3"]}}, "not a search space"),
     ):
         with pytest.raises(ValueError, match=match) as err:
             Plan.from_json({**data, **bad})
@@ -119,9 +120,35 @@ def test_a_plan_file_with_impossible_virtual_stages_or_space_is_refused_in_one_l
 
 def test_coverage_of_older_plans_holds_plain_schedules():
     covered = Coverage.from_json({"microbatches": [4], "max_stages": 2, "groups": [["a", 1, 1, False]]})
-    assert covered.virtual_stages == (1,)
+    assert covered.virtual_stages == (1,) and covered.options == ()
     assert covered.contains(microbatches=4, stages=[("a", 1, 1, False)] * 2)
     assert not covered.contains(microbatches=4, stages=[("a", 1, 1, False)] * 2, virtual_stages=2)
+
+
+def test_coverage_records_the_options_its_stages_are_priced_with():
+    """A configuration priced with other options (ZeRO, FSDP, sequence parallelism, selective
+    recompute, the overlapped parameter gather) lies in another space; the plan file keeps them."""
+    model = _narrow_model()
+    space = search_space(model, 8, recompute=False, mixed=False, zero=True, sequence_parallel=True)
+    covered = space.coverage([4], 4)
+    assert covered.options == ("zero", "sequence_parallel")
+    stages = [("a", 1, 1, False)] * 4
+    assert covered.contains(microbatches=4, stages=stages, options=["sequence_parallel", "zero"])
+    assert not covered.contains(microbatches=4, stages=stages)
+    assert not covered.contains(microbatches=4, stages=stages, options=["zero"])
+    assert not covered.contains(microbatches=4, stages=stages, options=["zero", "sequence_parallel", "fsdp"])
+    with pytest.raises(ValueError, match="zero3") as err:
+        covered.contains(microbatches=4, stages=stages, options=["zero3"])
+    assert "\n" not in str(err.value)
+    assert search_space(model, 8, recompute=False, mixed=False).coverage([4], 4).options == ()
+
+    groups = [GroupConfig(device_type="a", size=1, tp=1, recompute=False)] * 4
+    ev = evaluate(STAGES, groups, 4, table=space.table, infos=space.infos, schedule="1f1b", links=space.links)
+    found = make_plan(
+        model, space, ev, STAGES, groups, 4, schedule="1f1b", global_batch=8, bound=0.0, gap=0.01,
+        started=time.perf_counter(), covered=covered, interleave=False,
+    )  # fmt: skip
+    assert Plan.from_json(found.to_json()).space == covered
 
 
 def test_plan_interleaves_only_when_asked(monkeypatch):
