@@ -26,8 +26,11 @@ device, from the :class:`CostTable` the ILP reads; ρ_q(g) the least over runs; 
 microbatches any stage holds in flight: 1 under 1F1B, M under GPipe; mem_q(g) what a device of
 part q may fill; f[r,g] the most layers of run r beside its transient in one stage's memory,
 at most n_r.) With a cutoff C (``below_s``), only plans faster than C are bounded: each stage then
-computes within C/M, so also w[g] ≤ (C/M)·m[g], no layer slower than C/M is placed, and f[r,g] ≤
-⌊(C/M) / τ[r,g]⌋; the bound is then min(Z*, C), and C where the LP is infeasible.
+computes within C/M and ends its own tail, (M − 1)·c_s + f_s + y_s + o_s (its forward, gradient sync
+and optimizer after its M microbatches), within C, so also w[g] ≤ (C/M)·m[g], Σ_r ((M − 1)·τ + φ +
+δ + ω)[r,g]·y[r,g] ≤ C·m[g] (φ forward, δ sync, ω optimizer of one layer), no layer slower than C/M
+is placed, and f[r,g] ≤ ⌊(C/M) / τ[r,g]⌋ and ⌊C / ((M − 1)·τ + φ + δ + ω)[r,g]⌋; the bound is then
+min(Z*, C), and C where the LP is infeasible.
 
 **Why it is a bound.** Take any plan of S′ ≤ S stages: stage s on group g_s computes c_s = Σ τ over
 its layers per microbatch, and the closed form (``_closed_form``) gives step ≥ Σ_{s′<s} c_s′ + M·c_s
@@ -42,7 +45,9 @@ which summed over g's stages is the per-group row and, per device, the per-type 
 holds at most f[r,g] layers of run r. The fill: weighting the stages' rows by λ_s = (α/M)·(1 −
 1/M)^{S′−1−s} (they sum to 1 at α = α(S′)) gives step ≥ α(S′)·Σ_s c_s, and α falls as S′ grows, so
 α(S) holds for every plan of at most S stages. With a cutoff, a plan faster than C has every
-c_s ≤ step/M < C/M, so w[g] ≤ (C/M)·m[g] and no stage holds a layer slower than C/M. The plan is
+c_s ≤ step/M < C/M, so w[g] ≤ (C/M)·m[g] and no stage holds a layer slower than C/M; and its
+stage's sync and optimizer follow its last backward, Y_s + o_s ≥ E_s − b_s + y_s + o_s with E_s ≥
+U^f_s + M·c_s, so (M − 1)·c_s + f_s + y_s + o_s ≤ step < C for each stage, summed over g's stages. The plan is
 therefore a point of the LP with Z = its step, and Z* bounds it.
 
 The LP has 3 columns per (run, group) and a few rows per group and type, a fraction of one
@@ -129,8 +134,18 @@ def capacity_bound_s(
     # and compute within cutoff / M: one unit)
     fits = np.array([[float(run.count)] * G for run in runs])
     if capped:
+        # tail[r, g]: a layer's share of its stage's own tail, (M−1)·c + f + sync + optimizer, which a
+        # plan faster than the cutoff (M units) ends within it
+        entries = [[table.entry(run.first, g, M) for g in valid] for run in runs]
+        tail = (M - 1) * time + np.array(
+            [[(e.forward_s + e.dp_sync_s + e.optimizer_s) / unit_s for e in row] for row in entries]
+        )
         with np.errstate(divide="ignore"):
             fits = np.minimum(fits, np.floor(np.where(time > 0, 1.0 / time, np.inf) * (1 + 1e-9)))
+            fits = np.minimum(fits, np.floor(np.where(tail > 0, M / tail, np.inf) * (1 + 1e-9)))
+        for g in range(G):
+            if np.any(tail[:, g] > M * time[:, g]):  # (else the compute row implies it)
+                rows.append((np.r_[y[:, g], m[g]], np.r_[tail[:, g], -float(M)], -math.inf, 0.0))
     if memory:  # the stages on g hold their layers within m_g stages' memory, per part
         for g in range(G):
             parts = [table.memory_parts(run.first, valid[g], M) for run in runs]
@@ -157,7 +172,7 @@ def capacity_bound_s(
     cost[Z] = 1.0
     upper = np.full(Z + 1, math.inf)
     if capped:  # a layer slower than cutoff / M fits no stage of such a plan
-        upper[y[time > 1 + 1e-9]] = 0.0
+        upper[y[(time > 1 + 1e-9) | (fits < 1)]] = 0.0
     highs = highs_lp(cost, upper, rows)
     work.run(highs)
     status = highs.getModelStatus()
