@@ -276,8 +276,8 @@ def efficiency_for(gpu_type: str, a100_scale: float = 1.0):
     eff = gpu_efficiency()
     if gpu_type != "a100" or a100_scale == 1.0:
         return eff
-    scaled = ("matmul", "memory", "memory_streamed", "movement")
-    return Efficiency(**{k: getattr(eff, k) * (a100_scale if k in scaled else 1.0) for k in EFFICIENCY_CLASSES})
+    scaled = ("matmul", "memory", "memory_streamed", "movement", "attention")
+    return Efficiency(**{k: eff.of(k) * (a100_scale if k in scaled else 1.0) for k in EFFICIENCY_CLASSES})
 
 
 def a100_scale(runs: list[PublishedRun], progress=None) -> float:

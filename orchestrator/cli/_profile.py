@@ -76,7 +76,7 @@ def profile_command(
             "device_kind": jax.devices()[0].device_kind,
             "jax_version": jax.__version__,
             "layers": rows,
-            "efficiency": {k: float(getattr(efficiency, k)) for k in EFFICIENCY_CLASSES},
+            "efficiency": {k: float(efficiency.of(k)) for k in EFFICIENCY_CLASSES},
         }
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -93,5 +93,5 @@ def profile_command(
             f"{row['optimizer_s'] * 1e3:.2f}",
         )
     Console().print(table)
-    fractions = " · ".join(f"{k} {float(getattr(efficiency, k)):.3g}" for k in EFFICIENCY_CLASSES)
+    fractions = " · ".join(f"{k} {float(efficiency.of(k)):.3g}" for k in EFFICIENCY_CLASSES)
     Console().print(f"calibrated efficiency: {fractions}")

@@ -4,7 +4,7 @@
             + (bytes read + written) / (memory bandwidth · e_bytes)
             + [matmul] 2·|out| / (peak · e_matmul_output)
 
-where the class is matmul or other arithmetic, and bytes of data movement
+where the class is matmul, fused attention or other arithmetic, and bytes of data movement
 (gather, scatter, transpose, ...) have their own efficiency. The terms add
 rather than overlap (a roofline would take their maximum): the pieces of a
 fused layer on a CPU run one after another rather than hiding behind each
@@ -58,6 +58,10 @@ class Efficiency:
       matmul_output: of peak FLOP/s, for one multiply-add per matmul output
         element. The default makes the term negligible: tuned accelerator
         GEMMs hide it inside ``matmul``; calibration fits it where it shows.
+      attention: of peak FLOP/s, for fused attention kernels (ops of kind
+        ``attention``: a softmax between two products, tile by tile, which
+        reaches less of the peak than a GEMM). None: ``matmul``'s, until
+        measured.
     """
 
     matmul: float = 0.7
@@ -67,15 +71,32 @@ class Efficiency:
     memory_streamed: float = 0.8
     movement: float = 0.5
     matmul_output: float = 100.0
+    attention: float | None = None
+
+    def of(self, name: str) -> float:
+        """The efficiency of class ``name``, with an unmeasured ``attention`` read as ``matmul``."""
+        value = getattr(self, name)
+        return self.matmul if value is None else value
 
     def __post_init__(self) -> None:
         for name in EFFICIENCY_CLASSES:
             value = getattr(self, name)
+            if name == "attention" and value is None:
+                continue
             if not 0 < value <= 100:
                 raise ValueError(f"efficiency {name}={value} must be in (0, 100]")
 
 
-EFFICIENCY_CLASSES = ("matmul", "other", "transcendental", "memory", "memory_streamed", "movement", "matmul_output")
+EFFICIENCY_CLASSES = (
+    "matmul",
+    "other",
+    "transcendental",
+    "memory",
+    "memory_streamed",
+    "movement",
+    "matmul_output",
+    "attention",
+)
 """The efficiency classes, in the order :func:`op_terms` returns their terms."""
 
 MATMUL_KINDS = frozenset({"matmul", "conv", "attention"})
@@ -96,14 +117,16 @@ def op_terms(op: Op, device: DeviceType, traffic: float | None = None) -> tuple[
     arithmetic = is_matmul or op.kind in ARITHMETIC_KINDS
     largest = max((t.nbytes for t in (*op.inputs, *op.outputs)), default=0)
     streamed = device.cache_bytes is not None and largest > device.cache_bytes
+    fused_attention = op.kind == "attention"
     return (
-        op.flops / peak if is_matmul else 0.0,
+        op.flops / peak if is_matmul and not fused_attention else 0.0,
         0.0 if is_matmul else op.flops / peak,
         op.transcendentals / peak,
         nbytes if arithmetic and not streamed else 0.0,
         nbytes if arithmetic and streamed else 0.0,
         0.0 if arithmetic else nbytes,
         2.0 * op.repeats * sum(math.prod(t.shape) for t in op.outputs) / peak if is_matmul else 0.0,
+        op.flops / peak if fused_attention else 0.0,
     )
 
 
@@ -118,4 +141,4 @@ def compute_dtype(op: Op) -> str:
 def op_time_s(op: Op, device: DeviceType, efficiency: Efficiency, traffic: float | None = None) -> float:
     """Seconds the op (all repeats) takes on ``device``: each term over its efficiency, added."""
     terms = op_terms(op, device, traffic)
-    return sum(t / getattr(efficiency, name) for t, name in zip(terms, EFFICIENCY_CLASSES))
+    return sum(t / efficiency.of(name) for t, name in zip(terms, EFFICIENCY_CLASSES))

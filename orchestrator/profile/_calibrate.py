@@ -50,7 +50,7 @@ def calibrate(
     graphs). ``fixed``: classes held at the given efficiency and not fitted (on a GPU,
     elementwise arithmetic is never what bounds a fused kernel, so ``other`` and
     ``transcendental`` are held and their time goes to ``memory``). A class the pieces do not
-    exercise (all-zero column) keeps its default.
+    exercise (all-zero column) keeps its default (``attention``: None, read as ``matmul``).
     """
     from scipy.optimize import nnls
 
@@ -72,6 +72,8 @@ def calibrate(
         # unused: keep the default; fitted to zero: the class costs nothing measurable here
         if name in fixed:
             values[name] = float(fixed[name])
+        elif not used_here:
+            values[name] = getattr(default, name)
         else:
-            values[name] = float(getattr(default, name) if not used_here else (1.0 / c if c > 0.01 else 100.0))
+            values[name] = float(1.0 / c if c > 0.01 else 100.0)
     return Efficiency(**values)

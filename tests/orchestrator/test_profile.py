@@ -134,7 +134,7 @@ def test_calibration_recovers_known_efficiencies():
         pieces.append((ops, predict(ops, device, truth)))
     fitted = calibrate(pieces, device)
     for name in EFFICIENCY_CLASSES:
-        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3)
+        assert fitted.of(name) == pytest.approx(truth.of(name), rel=1e-3)
 
 
 def test_profile_cli_json(tmp_path, monkeypatch):
