@@ -121,7 +121,7 @@ class PublishedRun:
             reasons.append(f"ffn {m['ffn_hidden']} ≠ 4·hidden")
         if (p.get("cp") or 1) > 1:
             # fixed(cp=) prices it: each rank's attention FLOPs are the closed form's (its T/n queries
-            # against all T keys, the causal tiles), but at the fitted matmul efficiency, 98% of the
+            # against all T keys, the causal tiles), but at the fitted matmul efficiency, 96% of the
             # H100's peak where its fused attention kernels reach about 57%, and the run's measured time
             # takes the PaLM count's unmasked attention; at 131,072 tokens the row is priced at 47% of
             # that time (docs/benchmarks.md)
