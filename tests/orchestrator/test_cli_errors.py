@@ -42,7 +42,7 @@ def one_line_error(args, expected: str, *, also_json: bool = True) -> str:
 @pytest.fixture(scope="module")
 def plan_json():
     """A plan of gpt-tiny on a100x8, as ``orchestrator plan --json`` prints it."""
-    planned = runner.invoke(app, ["plan", "--recipe", "gpt-tiny", "--batch", "8", "--time-limit-s", "5", "--json"])
+    planned = runner.invoke(app, ["plan", "--recipe", "gpt-tiny", "--batch", "8", "--time-limit-s", "60", "--json"])
     assert planned.exit_code == 0, planned.output
     return json.loads(planned.stdout)
 
@@ -118,7 +118,7 @@ def test_a_plan_simulates_and_reports_from_any_directory(tmp_path, monkeypatch):
     elsewhere.mkdir()
     monkeypatch.chdir(made)
     _cluster_file(made, name="my.yaml")
-    args = ["plan", "--recipe", "gpt-tiny", "--cluster", "my.yaml", "--batch", "8", "--time-limit-s", "5"]
+    args = ["plan", "--recipe", "gpt-tiny", "--cluster", "my.yaml", "--batch", "8", "--time-limit-s", "60"]
     planned = runner.invoke(app, [*args, "--out", "plan.json"])
     assert planned.exit_code == 0, planned.output
     here = runner.invoke(app, ["simulate", "plan.json", "--json"])

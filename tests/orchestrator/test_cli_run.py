@@ -12,7 +12,7 @@ from orchestrator.cli import app
 from orchestrator.planner import Plan
 
 runner = CliRunner()
-TRAIN = ["train", "--recipe", "gpt-tiny", "--batch", "16", "--seq", "16", "--steps", "2", "--time-limit-s", "2"]
+TRAIN = ["train", "--recipe", "gpt-tiny", "--batch", "16", "--seq", "16", "--steps", "2", "--time-limit-s", "60"]
 
 
 def refused(args, expected: str) -> str:
@@ -29,7 +29,7 @@ def refused(args, expected: str) -> str:
 def tiny_plan(tmp_path_factory):
     """gpt-tiny planned on a100x8 at batch 16 × 16 tokens, as ``orchestrator plan --out`` writes it."""
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    args = ["plan", "--recipe", "gpt-tiny", "--batch", "16", "--seq", "16", "--time-limit-s", "5", "--out", str(path)]
+    args = ["plan", "--recipe", "gpt-tiny", "--batch", "16", "--seq", "16", "--time-limit-s", "60", "--out", str(path)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     return path

@@ -15,7 +15,7 @@ MODEL = "tests.orchestrator.user_model:mlp"
 
 
 def test_plan_takes_a_user_model():
-    result = runner.invoke(app, ["plan", "--model", MODEL, "--cluster", "a100x8", "--time-limit-s", "10", "--json"])
+    result = runner.invoke(app, ["plan", "--model", MODEL, "--cluster", "a100x8", "--time-limit-s", "60", "--json"])
     assert result.exit_code == 0, result.output
     plan = Plan.from_json(json.loads(result.stdout))
     assert sorted(i for stage in plan.stages for i in stage.layers) == list(range(5))  # stem, 3 blocks, head
@@ -24,7 +24,7 @@ def test_plan_takes_a_user_model():
 
 
 def test_plan_batch_overrides_the_factory_batch():
-    args = ["plan", "--model", MODEL, "--batch", "64", "--time-limit-s", "10", "--json"]
+    args = ["plan", "--model", MODEL, "--batch", "64", "--time-limit-s", "60", "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["global_batch"] == 64

@@ -86,7 +86,7 @@ def test_training_steps_are_shown_with_loss_measured_and_predicted_time():
 
 
 def test_plan_shows_its_search_on_stderr_and_keeps_stdout_the_answer():
-    result = runner.invoke(app, ["plan", "--recipe", "gpt-tiny", "--batch", "8", "--time-limit-s", "5", "--json"])
+    result = runner.invoke(app, ["plan", "--recipe", "gpt-tiny", "--batch", "8", "--time-limit-s", "60", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["stages"]
     assert "planning: done" in result.stderr

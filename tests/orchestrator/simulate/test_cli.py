@@ -79,7 +79,7 @@ def test_plan_then_simulate_with_its_cost_model(tmp_path):
         app,
         [
             *("plan", "--recipe", "gpt-tiny", "--cluster", "mixed-a100-v100", "--batch", "16"),
-            *("--max-stages", "2", "--time-limit-s", "5", "--out", str(plan_path)),
+            *("--max-stages", "2", "--time-limit-s", "60", "--out", str(plan_path)),
         ],
     )
     assert made.exit_code == 0, made.output
