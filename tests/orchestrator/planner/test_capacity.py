@@ -56,7 +56,7 @@ def test_stage_count_rows_never_exceed_the_best_plan_of_at_most_that_many_stages
     and with a cutoff just above the optimum (every stage within cutoff / M), the bound stays at or
     below the best plan of at most S stages; with no plan below a cutoff it may reach the cutoff."""
     compared = lifted = 0
-    for seed in range(20):
+    for seed in range(12):
         model = random_instance(seed)
         space = search_space(model, BATCH, recompute=True)
         for stages in (1, 2, STAGES):
@@ -75,5 +75,5 @@ def test_stage_count_rows_never_exceed_the_best_plan_of_at_most_that_many_stages
                 assert capacity_bound_s(*args, max_stages=stages, below_s=optimum * 0.999) <= optimum * 0.999
                 compared += 1
                 lifted += bound > capacity_bound_s(*args) * 1.01
-    assert compared >= 60
+    assert compared >= 36
     assert lifted >= compared // 10, f"the stage rows lift the bound on only {lifted} of {compared}"
