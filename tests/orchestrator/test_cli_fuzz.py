@@ -224,7 +224,18 @@ def plan_json():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.yaml"
         path.write_text(yaml.safe_dump(CLUSTER))
-        args = ["plan", "--recipe", "gpt-tiny", "--cluster", str(path), "--batch", "8", "--time-limit-s", "60", "--json"]
+        args = [
+            "plan",
+            "--recipe",
+            "gpt-tiny",
+            "--cluster",
+            str(path),
+            "--batch",
+            "8",
+            "--time-limit-s",
+            "60",
+            "--json",
+        ]
         result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
