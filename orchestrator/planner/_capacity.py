@@ -80,12 +80,15 @@ def capacity_bound_s(
     memory: bool = True,
     max_stages: int | None = None,
     below_s: float = math.inf,
+    virtual_stages: int = 1,
 ) -> float:
     """The LP's least Z (seconds), never below ``simple_bound_s``: +inf where no group divides the
     microbatch, or where no plan of at most ``max_stages`` stages (default: one a layer) fits (``memory``:
     with the memory rows; without them, as a diagnosis that lets memory grow needs). With ``below_s``
     (a cutoff), only plans faster than it are bounded: the bound is then at most ``below_s``, which it
-    is where none is. Without HiGHS, ``simple_bound_s``."""
+    is where none is. With ``virtual_stages`` v_max > 1, the fill row's α becomes α_v at v_max, which
+    bounds every interleaved 1F1B plan of at most v_max chunks a stage too (docs/planner.md, "Virtual
+    stages"). Without HiGHS, ``simple_bound_s``."""
     M = microbatches
     simple = simple_bound_s(runs, groups, table, infos, M)
     valid = [g for g in groups if table.microbatch(g, M) is not None]
@@ -166,7 +169,9 @@ def capacity_bound_s(
         for g in range(G):
             rows.append((np.array([w[g], m[g]]), np.array([1.0, -1.0]), -math.inf, 0.0))
     rows.append((np.array([Z, T]), np.array([1.0, -float(M)]), 0.0, math.inf))  # step ≥ M·T
-    fill = 1.0 / (1.0 - (1.0 - 1.0 / M) ** stages)  # step ≥ α(S)·Σ_s c_s, α falling in S
+    # step ≥ α_v(S)·Σ_s c_s, α_v(S) = 1 / (v·(1 − (1 − 1/(vM))^S)) falling in S and in v (v = 1: α(S))
+    v = virtual_stages
+    fill = 1.0 / (v * (1.0 - (1.0 - 1.0 / (v * M)) ** stages))
     rows.append((np.r_[Z, w], np.r_[1.0, np.full(G, -fill)], 0.0, math.inf))
     cost = np.zeros(Z + 1)
     cost[Z] = 1.0
