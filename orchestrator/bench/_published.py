@@ -353,8 +353,8 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
     than that configuration on a plain schedule, and no slower than it interleaved where the planner
     can interleave its stages (each stage's block count a multiple of v, ``virtual_stage_counts``).
     ``space_contains_published`` says whether the space the plan's gap covers holds the configuration
-    with its virtual stages and options, ``space_contains_published_plain`` whether it holds it at
-    v = 1 (the bound covers plain schedules: docs/planner.md, "Virtual stages")."""
+    with its virtual stages and options (the planner interleaves, so that space holds every v ≤ v_max:
+    docs/planner.md, "Virtual stages"), ``space_contains_published_plain`` whether it holds it at v = 1."""
     from orchestrator.planner import GroupConfig, PlanInfeasible, PlanNotFound, plan
 
     p = run.parallel
@@ -376,7 +376,7 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
     stages = found.stages
     # the space names stages by (type, devices, tp, recompute), with the virtual-stage counts its bound
     # holds over and the options every stage is priced with; the published configuration is looked up
-    # with its own, and as its plain counterpart (v = 1), which is what a bound over plain schedules holds
+    # with its own, and as its plain counterpart (v = 1)
     published = {
         "microbatches": M,
         "stages": [(run.gpu_type, group.size, group.tp, group.recompute)] * p["pp"],

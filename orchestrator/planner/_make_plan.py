@@ -1,12 +1,14 @@
 """The :class:`Plan` of a priced solution: concrete devices for each stage, and its certificate.
 
 Virtual stages (interleaved 1F1B) are chosen here, after the search: the ILP prices plain
-schedules, and its bound covers plans with v = 1 only (``Coverage.virtual_stages``). A solution
-whose stages each hold a multiple of v repeated layers (the blocks of a run of identical layers;
-the embedding and the head ride in the first and last chunks, as Megatron-LM places them) is
-priced at such v > 1 with M a multiple of its stage count (in increasing order, until one is
-slower than the best so far), and the fastest that fits is kept. The plan is then no slower than the plain one; its gap still compares it with the bound of
-the space searched, which it may lie outside (docs/planner.md, "Virtual stages").
+schedules, and its bound covers plans with v = 1 only. A solution whose stages each hold a
+multiple of v repeated layers (the blocks of a run of identical layers; the embedding and the head
+ride in the first and last chunks, as Megatron-LM places them) is priced at such v > 1 with M a
+multiple of its stage count (in increasing order, until one is slower than the best so far), and the
+fastest that fits is kept, so the plan is no slower than the plain one. Where interleaving is asked
+under 1F1B, the space the plan's gap covers is every v ≤ v_max (``_interleaved_bound``): its bound is
+the least of the search's bound over plain plans and the capacity LP's over interleaved ones, and
+``Coverage.virtual_stages`` names 1..v_max (docs/planner.md, "Virtual stages").
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from orchestrator.planner._diagnose import binding_notes
 from orchestrator.planner._evaluate import Evaluation, evaluate
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import Run
+from orchestrator.planner._interleaved_bound import interleaved_bound_s, interleaved_coverage, max_virtual_stages
 from orchestrator.planner._plan import Coverage, Plan, PlanInfeasible, Stage
 from orchestrator.planner._space import SearchSpace
 from orchestrator.solver import highs_available
@@ -45,7 +48,8 @@ def make_plan(
     """The :class:`Plan` of an evaluated solution: devices allocated (``prefer_devices`` by
     position from the end), certified ``bound`` (s) on the step time; ``objective`` defaults to
     the step time; ``covered``: the search space ``bound`` holds over; ``interleave``: also try
-    virtual stages (:func:`virtual_stage_counts`) and keep the fastest."""
+    virtual stages (:func:`virtual_stage_counts`) and keep the fastest, and under 1F1B with ``covered``
+    given, widen the space to every v ≤ v_max with the bound over it (``_interleaved_bound``)."""
     S = len(chosen)
     v = 1
     if interleave:
@@ -55,7 +59,7 @@ def make_plan(
                 objective += interleaved.iteration_s - ev.iteration_s
             note = (
                 f"interleaved 1F1B with {v} virtual stages: {interleaved.iteration_s * 1e3:.1f} ms against "
-                f"{ev.iteration_s * 1e3:.1f} ms plain (chosen after the search; its bound covers plain schedules)"
+                f"{ev.iteration_s * 1e3:.1f} ms plain (chosen after the search)"
             )
             ev = interleaved
     prefer = [
@@ -91,7 +95,25 @@ def make_plan(
         for s, (layers, g) in enumerate(zip(stages, chosen))
     )
     bound = min(bound, ev.iteration_s)
+    plain_gap = (ev.iteration_s - bound) / ev.iteration_s if ev.iteration_s > 0 else 0.0
+    notes = binding_notes(stages, chosen, M, ev, space)
+    v_max = max_virtual_stages(space.runs)
+    if interleave and schedule == "1f1b" and covered is not None and v_max > 1:
+        # the space holds v ≤ v_max: its bound is the least of the plain one and the interleaved one, with
+        # the plain one as the LP's cutoff (a plan no faster than it is bounded by it); a search stopped
+        # without a bound (0) keeps 0
+        interleaved_s = (
+            interleaved_bound_s(space, covered.microbatches, covered.max_stages, v_max, below_s=bound)
+            if bound > 0
+            else 0.0
+        )
+        notes += (
+            f"the gap covers v <= {v_max}: bound {bound * 1e3:.1f} ms over plain schedules (the search's), "
+            f"{interleaved_s * 1e3:.1f} ms over interleaved ones (the capacity LP at v = {v_max})",
+        )
+        bound, covered = min(bound, interleaved_s), interleaved_coverage(covered, v_max)
     final_gap = (ev.iteration_s - bound) / ev.iteration_s if ev.iteration_s > 0 else 0.0
+    status = "Optimal" if final_gap <= gap else "Optimal over plain schedules" if plain_gap <= gap else None
     return Plan(
         stages=plan_stages,
         schedule=schedule,  # type: ignore[arg-type]
@@ -101,12 +123,12 @@ def make_plan(
         virtual_stages=v,
         breakdown=ev.breakdown,
         solver="HiGHS" if highs_available() else "CBC",
-        status="Optimal" if final_gap <= gap else "Time limit reached",
+        status=status or "Time limit reached",
         objective=ev.iteration_s if objective is None else objective,
         bound=bound,
         gap=final_gap,
         solve_s=time.perf_counter() - started,
-        notes=binding_notes(stages, chosen, M, ev, space) + ((note,) if v > 1 else ()),
+        notes=notes + ((note,) if v > 1 else ()),
         space=covered,
     )
 

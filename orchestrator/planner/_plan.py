@@ -113,9 +113,10 @@ class Coverage:
         fifth entry, cp, for a context-parallel one; a stage of a plan in the space is one of them,
         at any position.
       virtual_stages: the virtual-stage counts v (interleaved 1F1B chunks per stage) the bound
-        holds over. The planner's ILP bounds plain schedules (v = 1); a plan it returns may use
-        v > 1, chosen after the ILP, which makes it no slower than the best plan of this space
-        and may take it outside (docs/planner.md, "Virtual stages").
+        holds over: (1,) where the search bounds plain schedules only (the ILP's rows), 1..v_max
+        where the plan was asked to interleave under 1F1B, v_max the most chunks a plan of the model
+        can take (its bound then is also below the capacity LP's over interleaved plans:
+        ``_interleaved_bound``; docs/planner.md, "Virtual stages").
       options: the pricing options every stage of the space is priced with, in
         :data:`PRICING_OPTIONS` order (a stage applies each where it has the degree it needs: ZeRO and
         FSDP under data parallelism, sequence parallelism under tensor parallelism); a configuration
@@ -188,7 +189,10 @@ class Plan:
         (``simulate.chunk_order`` gives the order; M must be a multiple of the stage count).
       global_batch: samples per step.
       iteration_s: predicted step time; ``breakdown`` splits it.
-      solver, status, objective, bound, gap, solve_s: how the plan was found.
+      solver, status, objective, bound, gap, solve_s: how the plan was found; ``bound`` holds over
+        ``space`` and ``gap`` = (iteration_s − bound) / iteration_s. ``status`` is "Optimal" at or
+        below the gap asked, "Optimal over plain schedules" where only the search's bound over
+        v = 1 is (the space's holds v ≤ v_max, whose bound is weaker), else "Time limit reached".
       notes: which constraints bind and why each stage sits where it does.
       space: the search space the certified ``gap`` covers (:class:`Coverage`; None for a plan
         whose bound covers less, such as an uncertified repair).

@@ -45,9 +45,10 @@ def _narrow_model():
 
 @pytest.mark.parametrize("types", [("a", "a", "a", "a"), ("a", "a", "b", "b")])
 @pytest.mark.parametrize("M", [4, 8])
-def test_the_plan_takes_the_fastest_virtual_stages_and_its_bound_covers_plain_schedules(types, M):
+def test_the_plan_takes_the_fastest_virtual_stages_and_its_bound_covers_every_v(types, M):
     """Four stages of two blocks each: v = 2 halves the bubble at twice the transfers, and is faster
-    here. The plan keeps it, says so, and its space still says which v the bound holds over."""
+    here. The plan keeps it, says so, and its space says which v the bound holds over: every v a plan
+    of 8 blocks can take (v_max = 4), the plan's own v among them."""
     model = _narrow_model()
     space = search_space(model, 8, recompute=False, mixed=False)
     assert space.runs == RUNS
@@ -71,12 +72,20 @@ def test_the_plan_takes_the_fastest_virtual_stages_and_its_bound_covers_plain_sc
     assert found.virtual_stages == 2
     assert found.iteration_s == interleaved.iteration_s
     assert "2 virtual stages" in found.notes[-1]
-    # the ILP's bound covers plain schedules: the plan lies outside the space it certifies
-    assert found.space.virtual_stages == (1,)
+    # the bound is the least of the plain one and the capacity LP's over v <= 4: the plan lies in its space
+    assert found.space.virtual_stages == (1, 2, 3, 4)
     stages = [(g.device_type, g.size, g.tp, g.recompute) for g in groups]
     assert found.space.contains(microbatches=M, stages=stages)
-    assert not found.space.contains(microbatches=M, stages=stages, virtual_stages=2)
-    assert found.bound <= plain.iteration_s  # still a lower bound on every plain plan
+    assert found.space.contains(microbatches=M, stages=stages, virtual_stages=2)
+    assert not found.space.contains(microbatches=M, stages=stages, virtual_stages=5)
+    assert found.bound <= interleaved.iteration_s < plain.iteration_s
+    assert found.gap == pytest.approx((found.iteration_s - found.bound) / found.iteration_s)
+    assert any("the gap covers v <= 4" in note for note in found.notes)
+    gpipe = make_plan(
+        model, space, plain, STAGES, groups, M, schedule="gpipe", global_batch=8, bound=plain.iteration_s,
+        gap=0.01, started=time.perf_counter(), covered=covered,
+    )  # fmt: skip
+    assert gpipe.space.virtual_stages == (1,)  # GPipe does not interleave: its bound covers v = 1
     plain_plan = make_plan(
         model, space, plain, STAGES, groups, M, schedule="1f1b", global_batch=8, bound=0.0, gap=0.01,
         started=time.perf_counter(), interleave=False,
