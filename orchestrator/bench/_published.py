@@ -207,15 +207,32 @@ def run_model(run: PublishedRun, efficiency=None):
     flash = m.get("attention") == "flash" and (run.parallel.get("cp") or 1) == 1
     graph, layers, axes = _graph(gpt_config(m), flash)
     eff = {run.gpu_type: efficiency} if efficiency else None
-    return CostModel(graph, layers, run_cluster(run), batch_size=1, param_axes=axes, efficiency=eff, weights_once=True)
+    # a run on FSDP (Llama 3's: optimizer states and gradients sharded, parameters kept from the
+    # forward to the backward, arXiv:2407.21783 §3.3.2) gathers and reduce-scatters every microbatch
+    return CostModel(
+        graph,
+        layers,
+        run_cluster(run),
+        batch_size=1,
+        param_axes=axes,
+        efficiency=eff,
+        weights_once=True,
+        shard_grad_op=bool(run.parallel.get("fsdp")),
+    )
 
 
 def published_stages(run: PublishedRun, n_layers: int) -> list[list[int]]:
     """Megatron-LM's layout: the blocks split evenly over PP stages (the first ones one longer when
     they do not divide), the embedding (layer 0) with the first and the head (the last layer) with
-    the last."""
+    the last. A run whose ``parallel.embedding_and_loss_as_layers`` is set counts the embedding and
+    the head as one layer each in the split, as Megatron-LM's ``--account-for-embedding-in-pipeline-split``
+    and ``--account-for-loss-in-pipeline-split`` do (megatron/training/arguments.py at
+    307dcf37f03d44da131ba21999278abe4112d2ad) and as Llama 3 places them (arXiv:2407.21783, §3.3.2:
+    one block fewer on the first and the last stage)."""
     import numpy as np
 
+    if run.parallel.get("embedding_and_loss_as_layers"):
+        return [[int(i) for i in part] for part in np.array_split(np.arange(n_layers), run.parallel["pp"])]
     stages = [[int(i) for i in part] for part in np.array_split(np.arange(1, n_layers - 1), run.parallel["pp"])]
     stages[0].insert(0, 0)
     stages[-1].append(n_layers - 1)
@@ -239,8 +256,8 @@ def price(run: PublishedRun, model=None) -> dict:
         recompute=p["recompute"] == "full",
         microbatches=M,
         global_batch=run.global_batch,
-        # Llama 3's FSDP keeps the gathered weights from the forward to the backward (arXiv:2407.21783,
-        # §3.3.2): per step, a reduce-scatter of gradients and an all-gather of weights, as ZeRO-1 moves
+        # Llama 3's FSDP shards optimizer states and gradients (arXiv:2407.21783, §3.3.2): ZeRO, whose
+        # collectives its model (``run_model``: ``shard_grad_op``) runs every microbatch
         zero=bool(p.get("zero")) or bool(p.get("fsdp")),
         sequence_parallel=bool(p.get("sequence_parallel")),
         selective_recompute=p["recompute"] == "selective",

@@ -204,6 +204,19 @@ class CostModel:
         it. A measured layer's forward and backward keep their measured times either way.
         Memory follows the same split: the compute-dtype copy is held once per step (not once
         per in-flight microbatch), the float32 masters are optimizer state (module docstring).
+      shard_grad_op: data parallelism under ZeRO as PyTorch FSDP's ``SHARD_GRAD_OP`` runs it,
+        Llama 3's (arXiv:2407.21783, §3.3.2: optimizer states and gradients sharded, parameters
+        not resharded after the forward): every microbatch all-gathers each layer's parameters
+        before its forward and reduce-scatters its gradients after its backward, in the gradients'
+        stored dtype (float32 parameters: float32, as Llama 3 reduce-scatters them), into a
+        1/p shard (PyTorch's ``ShardingStrategy.SHARD_GRAD_OP``, torch/distributed/fsdp/api.py at
+        acd8c9e7d691ee02408b5c0bb3e072fcb6705c13: it unshards the parameters before the forward
+        and reshards them after the backward, and reduce-scatters the gradients after it).
+        The gather runs beside the layer's forward and the reduce-scatter beside its backward
+        (FSDP prefetches one and reduces the other asynchronously): the part of either longer than
+        the phase's own work is exposed, per microbatch, in ``forward_s`` and ``backward_s``, and
+        nothing is left to sync per step. Gradients are held as the 1/p shard, plus the layer's
+        full-size gradient while its backward runs; the gathered parameters are held whole.
     """
 
     def __init__(
@@ -220,6 +233,7 @@ class CostModel:
         measured: Mapping[str, object] | None = None,
         measured_batch_size: int | None = None,
         weights_once: bool = False,
+        shard_grad_op: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -230,6 +244,7 @@ class CostModel:
         self.measured = dict(measured or {})
         self.measured_batch_size = measured_batch_size or batch_size
         self.weights_once = weights_once
+        self.shard_grad_op = shard_grad_op
         self.param_axes = dict(param_axes or {})
         self.axis_rules = tuple(axis_rules) if axis_rules is not None else DEFAULT_LOGICAL_AXIS_RULES
         tensor_parallel_axes(self.axis_rules)  # a malformed table fails here, not at the first priced layer
@@ -623,8 +638,17 @@ class CostModel:
         # (FSDP's one program reduce-scatters the backward's own gradients: a table's rows read)
         whole = config.accumulate_gradients or config.zero or config.dp_sync != "all_reduce"
         gradients = self.dp_sync_bytes(index, t, accumulate_gradients=whole)
-        gathered = 0.0
-        if config.dp_sync == "all_reduce" and not zero:
+        gathered, exposed_forward, exposed_backward = 0.0, 0.0, 0.0
+        per_microbatch = self.shard_grad_op and zero and not config.fsdp and replicas > 1
+        if per_microbatch:  # FSDP's SHARD_GRAD_OP: both collectives every microbatch, beside its phase
+            gathered = self._gathered_param_bytes(index, t)
+            tp_forward_s = coll.all_reduce_s(tp_fwd, t, tp_link)
+            exposed_forward = max(0.0, coll.all_gather_s(gathered, replicas, dp_link) - forward - tp_forward_s)
+            exposed_backward = max(
+                0.0, coll.reduce_scatter_s(gradients, replicas, dp_link) - backward - (tp_comm - tp_forward_s)
+            )
+            dp_sync = 0.0
+        elif config.dp_sync == "all_reduce" and not zero:
             dp_sync = coll.all_reduce_s(gradients, replicas, dp_link)
         else:
             gathered = self._gathered_param_bytes(index, t, reads=config.fsdp)
@@ -649,17 +673,21 @@ class CostModel:
         optimizer_bytes = (params * self.optimizer_ratio + masters) / (replicas if zero else 1)
         if config.fsdp:  # the layer's gathered parameters and its full-size gradient, while it runs
             transient += held + params
+        grad_bytes = params / (replicas if config.fsdp else 1)
+        if per_microbatch:  # the gradient's shard, and its full size while the layer's backward runs
+            grad_bytes = params / replicas
+            transient += params
         shard = replicas if config.fsdp else 1
         return LayerCost(
-            forward_s=forward,
-            backward_s=backward,
+            forward_s=forward + exposed_forward,
+            backward_s=backward + exposed_backward,
             optimizer_s=optimizer,
             tp_comm_s=tp_comm,
             dp_sync_s=dp_sync,
             tp_allreduce_bytes=tp_fwd + tp_bwd,
             dp_sync_bytes=gradients if replicas > 1 else 0.0,
             param_bytes=held / shard,
-            grad_bytes=params / shard,
+            grad_bytes=grad_bytes,
             optimizer_bytes=optimizer_bytes,
             activation_bytes=kept,
             transient_bytes=transient,
@@ -671,6 +699,8 @@ class CostModel:
                 "tp_forward_bytes": tp_fwd,
                 "tp_backward_bytes": tp_bwd,
                 "dp_gather_bytes": gathered if replicas > 1 else 0.0,
+                "dp_exposed_forward_s": exposed_forward,
+                "dp_exposed_backward_s": exposed_backward,
                 "sp_grad_bytes": sp_grads,
                 "weights_once_s": weights,
                 "cp_forward_s": cp_fwd,

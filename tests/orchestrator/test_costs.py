@@ -730,3 +730,29 @@ def test_with_weights_once_a_zero_gather_moves_the_compute_dtype_copy():
         synced = model.dp_sync_bytes(1, 1, accumulate_gradients=True)
         expected = reduce_scatter_s(synced, 4, link) + all_gather_s(gathered, 4, link)
         assert cost.dp_sync_s == pytest.approx(expected)
+
+
+def test_shard_grad_op_gathers_and_reduce_scatters_every_microbatch_beside_its_phase():
+    """FSDP's SHARD_GRAD_OP (Llama 3's data parallelism): under ZeRO each microbatch all-gathers the
+    layer's compute-dtype parameters beside its forward and reduce-scatters its full-size gradients
+    beside its backward; only what outlasts the phase is exposed, in that phase, and nothing is left
+    to sync per step. Gradients are held as the 1/p shard, the full size while the backward runs."""
+    config = ParallelConfig(dp=4, microbatch_size=2, zero=True)
+    base, _ = _bf16_tiny_model(weights_once=True)
+    model, _ = _bf16_tiny_model(weights_once=True, shard_grad_op=True)
+    slow = Link(bandwidth_bytes_per_s=1e6, latency_s=1e-5)  # collectives longer than either phase
+    for link in (slow, model.default_link("a100")):
+        plain = base.layer_cost(1, "a100", config, dp_link=link)
+        sharded = model.layer_cost(1, "a100", config, dp_link=link)
+        gather = all_gather_s(plain.breakdown["dp_gather_bytes"], 4, link)
+        scatter = reduce_scatter_s(plain.dp_sync_bytes, 4, link)
+        assert plain.dp_sync_s == pytest.approx(gather + scatter)
+        assert sharded.dp_sync_s == 0.0
+        assert sharded.forward_s == pytest.approx(plain.forward_s + max(0.0, gather - plain.forward_s))
+        assert sharded.backward_s == pytest.approx(plain.backward_s + max(0.0, scatter - plain.backward_s))
+        assert sharded.grad_bytes == pytest.approx(plain.grad_bytes / 4)
+        assert sharded.transient_bytes == pytest.approx(plain.transient_bytes + plain.grad_bytes)
+    assert model.layer_cost(1, "a100", config, dp_link=slow).forward_s > plain.forward_s  # the slow gather shows
+    # without ZeRO (or without replicas) the option changes nothing
+    for other in (ParallelConfig(dp=4, microbatch_size=2), ParallelConfig(microbatch_size=2, zero=True)):
+        assert model.layer_cost(1, "a100", other) == base.layer_cost(1, "a100", other)

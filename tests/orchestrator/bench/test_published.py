@@ -181,3 +181,13 @@ def test_a_run_is_priced_with_its_virtual_stages():
     assert interleaved["virtual_stages"] == 3 and plain["virtual_stages"] == 1
     assert interleaved["priced_s"] < plain["priced_s"]
     assert interleaved["breakdown"]["steady_s"] < plain["breakdown"]["steady_s"]
+
+
+def test_llama_3_counts_the_embedding_and_the_head_as_layers_of_the_split():
+    """Llama 3 405B (126 blocks, PP 16, v 8; arXiv:2407.21783 §3.3.2): one block fewer on the first
+    and the last stage, so every stage holds 8 layers and every chunk one."""
+    run = next(r for r in load_runs() if r.id == "llama3-405b-8k-8192gpu")
+    stages = published_stages(run, 128)
+    assert [len(s) for s in stages] == [8] * 16
+    assert stages[0][0] == 0 and stages[-1][-1] == 127
+    assert sorted(layer for stage in stages for layer in stage) == list(range(128))
