@@ -20,15 +20,18 @@ plays no part), T the bottleneck per microbatch and Z the step:
     Σ_r (σ_q + α_q·k)·y[r,g] ≤ (mem_q(g) − ρ_q(g))·m[g]             the memory of g's stages, per part
     y[r,g] ≤ f[r,g]·m[g]                                           whole layers one stage holds
     Z ≥ M·T,   Z ≥ α(S)·Σ_g w[g],  α(S) = 1 / (1 − (1 − 1/M)^S)        the bottleneck and the fill
+    Z ≥ (⌊(M − 1)/S⌋ + 1)·Σ_g w[g]                          1F1B: the first stage's in-flight cycle
+    Σ_{g with a part of type t} size_t(g)·Σ_r ((M − 1)·τ + φ + δ + ω)[r,g]·y[r,g] ≤ N_t·Z   tails of type t
 
 (τ time, σ static, α activation memory per in-flight microbatch and ρ transient of one layer per
 device, from the :class:`CostTable` the ILP reads; ρ_q(g) the least over runs; k the fewest
 microbatches any stage holds in flight: 1 under 1F1B, M under GPipe; mem_q(g) what a device of
 part q may fill; f[r,g] the most layers of run r beside its transient in one stage's memory,
-at most n_r.) With a cutoff C (``below_s``), only plans faster than C are bounded: each stage then
+at most n_r; φ forward, δ gradient sync, ω optimizer of one layer; the cycle row only under plain
+1F1B.) With a cutoff C (``below_s``), only plans faster than C are bounded: each stage then
 computes within C/M and ends its own tail, (M − 1)·c_s + f_s + y_s + o_s (its forward, gradient sync
 and optimizer after its M microbatches), within C, so also w[g] ≤ (C/M)·m[g], Σ_r ((M − 1)·τ + φ +
-δ + ω)[r,g]·y[r,g] ≤ C·m[g] (φ forward, δ sync, ω optimizer of one layer), no layer slower than C/M
+δ + ω)[r,g]·y[r,g] ≤ C·m[g], no layer slower than C/M
 is placed, and f[r,g] ≤ ⌊(C/M) / τ[r,g]⌋ and ⌊C / ((M − 1)·τ + φ + δ + ω)[r,g]⌋; the bound is then
 min(Z*, C), and C where the LP is infeasible.
 
@@ -44,11 +47,20 @@ and at least k microbatches of their activations beside a transient of at least 
 which summed over g's stages is the per-group row and, per device, the per-type row; each stage
 holds at most f[r,g] layers of run r. The fill: weighting the stages' rows by λ_s = (α/M)·(1 −
 1/M)^{S′−1−s} (they sum to 1 at α = α(S′)) gives step ≥ α(S′)·Σ_s c_s, and α falls as S′ grows, so
-α(S) holds for every plan of at most S stages. With a cutoff, a plan faster than C has every
-c_s ≤ step/M < C/M, so w[g] ≤ (C/M)·m[g] and no stage holds a layer slower than C/M; and its
-stage's sync and optimizer follow its last backward, Y_s + o_s ≥ E_s − b_s + y_s + o_s with E_s ≥
-U^f_s + M·c_s, so (M − 1)·c_s + f_s + y_s + o_s ≤ step < C for each stage, summed over g's stages. The plan is
-therefore a point of the LP with Z = its step, and Z* bounds it.
+α(S) holds for every plan of at most S stages. The cycle: under 1F1B the first stage holds
+K_0 = S′ microbatches in flight, so with M − 1 = q·S′ + r its last backward ends at E_0 ≥ B_0 +
+q·L_0 + r·c_0 + b_0 (q ≥ 1) with B_0 ≥ L_0 − b_0 (its first microbatch's round trip L_0 ≥ Σ_s c_s), and
+step ≥ E_0 ≥ (q + 1)·Σ_s c_s; q = ⌊(M − 1)/S′⌋ falls as S′ grows, so q at S holds for every plan
+of at most S stages. The tails: each stage's gradient sync and optimizer follow its last
+backward, Y_s + o_s ≥ E_s − b_s + y_s + o_s (the bucket flow shop's makespan is at least b_1 + y_s)
+with E_s ≥ U^f_s + M·c_s (both schedules: the rows above; interleaved, v chunks: its v·M chunk
+steps of c_s/v end no earlier, and its sync follows a backward of b_s/v ≤ b_s), so (M − 1)·c_s + f_s + y_s + o_s ≤ step
+for every stage; weighted by its devices of type t and summed over the stages on t (at most N_t
+devices) that is at most N_t·step, the per-type tail row: where gradient sync outlasts compute it
+charges each type the device-seconds of its stages' exposed sync, which the compute row, at T =
+step / M, does not. With a cutoff, a plan faster than C has every c_s ≤ step/M < C/M, so w[g] ≤
+(C/M)·m[g] and no stage holds a layer slower than C/M, and each stage's tail is below C, summed
+over g's stages. The plan is therefore a point of the LP with Z = its step, and Z* bounds it.
 
 The LP has 3 columns per (run, group) and a few rows per group and type, a fraction of one
 probe of the packing bound (``_packing``). On ``mixed-4type-512`` GPT-175B's bound rises from
@@ -106,7 +118,13 @@ def capacity_bound_s(
     # times in units of the cutoff's bottleneck (cutoff / M) where one is given, else ms: the capped
     # rows then have unit coefficients, which keeps HiGHS's presolve decided
     unit_s = below_s / M if math.isfinite(below_s) else 1 / MS
-    time = np.array([[table.entry(run.first, g, M).time_s / unit_s for g in valid] for run in runs])
+    entries = [[table.entry(run.first, g, M) for g in valid] for run in runs]
+    time = np.array([[e.time_s / unit_s for e in row] for row in entries])
+    # tail[r, g]: a layer's share of its stage's own tail, (M−1)·c + f + sync + optimizer, which
+    # ends within the step
+    tail = (M - 1) * time + np.array(
+        [[(e.forward_s + e.dp_sync_s + e.optimizer_s) / unit_s for e in row] for row in entries]
+    )
     rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
     for r, run in enumerate(runs):
         rows.append((y[r], np.ones(G), float(run.count), float(run.count)))
@@ -121,6 +139,10 @@ def capacity_bound_s(
         size = np.array([float(valid[g].by_type[t]) for g in mine])
         rows.append((np.r_[w[mine], T], np.r_[size, -float(info.devices)], -math.inf, 0.0))
         rows.append((m[mine], size, -math.inf, float(info.devices)))
+        # each stage's tail within the step, weighted by its devices of type t: N_t·Z device-seconds
+        rows.append(
+            (np.r_[y[:, mine].ravel(), Z], np.r_[(tail[:, mine] * size).ravel(), -float(info.devices)], -math.inf, 0.0)
+        )
         if not memory:
             continue
         shares = np.zeros((R, len(mine)))  # one layer's share of the type's devices' memory
@@ -136,13 +158,7 @@ def capacity_bound_s(
     # fits[r, g]: the most layers of run r one stage on g holds (its memory beside the layer's transient,
     # and compute within cutoff / M: one unit)
     fits = np.array([[float(run.count)] * G for run in runs])
-    if capped:
-        # tail[r, g]: a layer's share of its stage's own tail, (M−1)·c + f + sync + optimizer, which a
-        # plan faster than the cutoff (M units) ends within it
-        entries = [[table.entry(run.first, g, M) for g in valid] for run in runs]
-        tail = (M - 1) * time + np.array(
-            [[(e.forward_s + e.dp_sync_s + e.optimizer_s) / unit_s for e in row] for row in entries]
-        )
+    if capped:  # a plan faster than the cutoff (M units) ends each stage's tail within it
         with np.errstate(divide="ignore"):
             fits = np.minimum(fits, np.floor(np.where(time > 0, 1.0 / time, np.inf) * (1 + 1e-9)))
             fits = np.minimum(fits, np.floor(np.where(tail > 0, M / tail, np.inf) * (1 + 1e-9)))
@@ -173,6 +189,9 @@ def capacity_bound_s(
     v = virtual_stages
     fill = 1.0 / (v * (1.0 - (1.0 - 1.0 / (v * M)) ** stages))
     rows.append((np.r_[Z, w], np.r_[1.0, np.full(G, -fill)], 0.0, math.inf))
+    cycles = (M - 1) // int(stages) + 1
+    if schedule == "1f1b" and v == 1 and cycles > 1:  # the first stage's in-flight cycle: step ≥ (q+1)·Σ_s c_s
+        rows.append((np.r_[Z, w], np.r_[1.0, np.full(G, -float(cycles))], 0.0, math.inf))
     cost = np.zeros(Z + 1)
     cost[Z] = 1.0
     upper = np.full(Z + 1, math.inf)
