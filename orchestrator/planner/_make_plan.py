@@ -108,8 +108,8 @@ def make_plan(
             else 0.0
         )
         notes += (
-            f"the gap covers v <= {v_max}: bound {bound * 1e3:.1f} ms over plain schedules (the search's), "
-            f"{interleaved_s * 1e3:.1f} ms over interleaved ones (the capacity LP at v = {v_max})",
+            f"the gap covers v <= {v_max}: the search's bound over plain schedules is {bound * 1e3:.1f} ms, "
+            f"the capacity LP's over every v <= {v_max} {interleaved_s * 1e3:.1f} ms",
         )
         bound, covered = min(bound, interleaved_s), interleaved_coverage(covered, v_max)
     final_gap = (ev.iteration_s - bound) / ev.iteration_s if ev.iteration_s > 0 else 0.0
