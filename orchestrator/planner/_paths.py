@@ -371,6 +371,7 @@ class StageColumns:
                     best, lo = max(best, M * mid), mid
                 else:
                     best, hi = max(best, z), mid
+                lo = max(lo, best / M)  # (a T with M·T ≤ best cannot raise it)
             return min(best, cutoff_ms) / MS
 
         return min(z_top, cutoff_ms) / MS, refine
