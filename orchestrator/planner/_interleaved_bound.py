@@ -19,8 +19,9 @@ since the gradient sync follows the last backward, a chunk's b_s/v ≤ b_s (docs
 microbatch counts searched bounds the space ``Coverage.virtual_stages`` = (1, ..., v_max) names.
 
 v_max is the most chunks any plan of the model can take (:func:`max_virtual_stages`): the space is
-then every v a plan of these layers can have, and the bound gives up little for it (α_v at v = 2,
-8 or v_max differs by a few percent of the fill, against the capacity relaxation's own slack).
+then every v a plan of these layers can have, and the bound gives up little for it, as α_v's fall
+from v = 2 to v_max is small beside the capacity relaxation's own slack (docs/planner.md, "Virtual
+stages", measures both).
 """
 
 from __future__ import annotations
