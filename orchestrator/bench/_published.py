@@ -123,7 +123,7 @@ class PublishedRun:
             # fixed(cp=) prices it: each rank's attention FLOPs are the closed form's (its T/n queries
             # against all T keys, the causal tiles), but at the fitted matmul efficiency, 96% of the
             # H100's peak where its fused attention kernels reach about 57%, and the run's measured time
-            # takes the PaLM count's unmasked attention; at 131,072 tokens the row is priced at 47% of
+            # takes the PaLM count's unmasked attention; at 131,072 tokens the row is priced at 46% of
             # that time (docs/benchmarks.md)
             reasons.append(
                 f"context parallelism {p['cp']}: its attention priced at the matmul efficiency, far faster than"
