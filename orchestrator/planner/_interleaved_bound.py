@@ -13,8 +13,10 @@ before it, so
 v_max it holds for every plan of at most S stages and v ≤ v_max. The capacity LP's other rows hold
 under interleaving as they are: step ≥ M·c_s; a stage holds at least one microbatch's activations
 (``interleaved_in_flight`` ≥ 1); and under a cutoff C its tail, (M − 1)·c_s + f_s + y_s + o_s ≤ step,
-since the gradient sync follows the last backward, a chunk's b_s/v ≤ b_s (docs/planner.md,
-"Virtual stages", gives each row's argument). So :func:`capacity_bound_s` with ``virtual_stages``
+since the gradient sync follows the last backward, a chunk's b_s/v ≤ b_s, which also gives the
+per-type tail rows. The plain first stage's in-flight cycle row does not hold (interleaving runs
+other warm-up counts), and ``capacity_bound_s`` writes it at v = 1 only (docs/planner.md, "Virtual
+stages", gives each row's argument). So :func:`capacity_bound_s` with ``virtual_stages``
 = v_max bounds every plan, plain or interleaved, of at most v_max chunks a stage; its least over the
 microbatch counts searched bounds the space ``Coverage.virtual_stages`` = (1, ..., v_max) names.
 
