@@ -231,9 +231,9 @@ class _BottleneckLP:
         self.highs = highs_lp(cost, np.full(columns, math.inf), rows)
         self.last_s: float | None = None  # the T of the last solve, whose basis the next starts from
 
-    def least_step_s(self, bottleneck_s: float) -> float:
+    def least_step_s(self, bottleneck_s: float, *, retry: bool = True) -> float:
         """The least Z with every stage computing within ``bottleneck_s``: +inf when infeasible,
-        0 when HiGHS ends undecided (still a bound)."""
+        0 when HiGHS ends undecided (still a bound); without ``retry``, after one solve."""
         import highspy
 
         for row, column, time_s in self.compute_cells:
@@ -256,7 +256,7 @@ class _BottleneckLP:
         # probe weakens the bound. Try each fresh start in turn, then the interior-point solver;
         # a fresh start with presolve is not tried twice (the same solve ends the same way)
         retries = (("presolve", "choose"), ("presolve", "off"), ("solver", "ipm"))
-        for option, value in retries[1:] if fresh else retries:
+        for option, value in (retries[1:] if fresh else retries) if retry else ():
             if status in decided:
                 break
             self.highs.clearSolver()
@@ -321,13 +321,14 @@ class PackingBound:
             start = end
         return edges
 
-    def least_step_s(self, bottleneck_s: float, stages: int | None = None) -> float:
+    def least_step_s(self, bottleneck_s: float, stages: int | None = None, *, retry: bool = True) -> float:
         """Z(T): a lower bound on the step time of every plan whose stages each compute within
-        ``bottleneck_s`` per microbatch (+inf: there is none)."""
+        ``bottleneck_s`` per microbatch (+inf: there is none; 0: HiGHS ended undecided, after
+        its retries unless ``retry`` is False)."""
         S = self.J if stages is None else stages
         if S not in self._lps:
             self._lps[S] = _BottleneckLP(self, S)
-        return self._lps[S].least_step_s(bottleneck_s)
+        return self._lps[S].least_step_s(bottleneck_s, retry=retry)
 
     def bound_s(
         self,
@@ -346,7 +347,10 @@ class PackingBound:
         when the best bound is within ``tolerance`` (relative) of the most it could be. It starts bracketed by
         ``above_s`` (a known bound) and ``below_s`` (an incumbent's step time): once the bound
         reaches the incumbent, no plan of this M beats it and the bound is +inf. At
-        ``deadline`` (on ``work.now()``'s clock) the search stops with the best bound so far."""
+        ``deadline`` (on ``work.now()``'s clock) the search stops with the best bound so far.
+        With an infinite ``tolerance`` (a probe: one solve, at T = ``below_s`` / M) an undecided
+        solve is not retried: the retries cost up to three solves more where the M's whole-stage
+        LPs bound it anyway, and the probe then keeps ``above_s``."""
         if not self.groups:
             return math.inf
         M = self.M
@@ -354,7 +358,7 @@ class PackingBound:
         if slowest <= 0:  # nothing takes time: no T to search
             return above_s
         hi = min(below_s / M, slowest)
-        z_hi = self.least_step_s(hi, stages)
+        z_hi = self.least_step_s(hi, stages, retry=math.isfinite(tolerance))
         if z_hi == math.inf or (z_hi >= M * hi and hi < slowest):
             return math.inf  # nothing within T = hi, and anything slower loses to the incumbent
         if z_hi >= M * hi:  # hi = slowest bounds every stage: Z(hi) bounds every plan, and beats M·T below it

@@ -63,3 +63,27 @@ def test_packing_bound_holds_per_stage_count_and_proves_empty_microbatch_counts(
                 checked += 1
     assert checked >= 40
     assert empty >= 1, "no instance where the bound proved a microbatch count empty"
+
+
+def test_a_probe_ends_after_one_undecided_solve_and_keeps_the_bound_it_was_given(monkeypatch):
+    # a probe (infinite tolerance) whose one solve ends undecided keeps ``above_s`` rather than
+    # retrying (the M's whole-stage LPs bound it next); a search to a finite tolerance retries
+    from orchestrator.planner import _packing
+
+    space = search_space(random_instance(0), BATCH, recompute=True)
+    runs = []
+    real = _packing.work.run
+    monkeypatch.setattr(_packing.work, "run", lambda highs: (runs.append(1), real(highs)))
+    for tolerance in (math.inf, 1e-2):
+        packing, capacity = _bound(space, 1, "1f1b", STAGES)
+        packing.least_step_s(1.0)  # (loads the LP)
+        lp = packing._lps[STAGES]
+        lp.highs.setOptionValue("simplex_iteration_limit", 0)  # every solve ends undecided
+        lp.highs.clearSolver()
+        lp.last_s = None
+        runs.clear()
+        bound = packing.bound_s(above_s=capacity * 0.5, below_s=1e9, tolerance=tolerance)
+        if tolerance == math.inf:
+            assert len(runs) == 1 and bound == pytest.approx(capacity * 0.5), (runs, bound, capacity)
+        else:
+            assert len(runs) > 1  # (the retries)
