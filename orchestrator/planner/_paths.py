@@ -358,13 +358,14 @@ class StageColumns:
         self._solved[stages, cutoff_ms] = lp
 
         def refine(probes: int = PROBES) -> float:
+            nonlocal lp
             best, hi = z_top, top  # (every plan has its stages within hi, or is above the cutoff)
             lo = best / M  # below it, M·T ≤ best: nothing to gain
-            if lp.taken:  # (a MIP has its model now)
-                return min(best, cutoff_ms) / MS
             for _ in range(probes):
                 if hi - lo <= TOLERANCE * hi:
                     break
+                if lp.taken:  # a MIP has its model now (a bisection after it): the same LP, loaded again
+                    lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
                 mid = (lo + hi) / 2
                 z = lp.least_step_ms(mid)
                 if z >= M * mid:  # the crossing lies above mid: min(M·T, Z(T)) ≥ M·mid there
