@@ -79,8 +79,9 @@ def plan_command(
     virtual_stages: Annotated[
         bool,
         typer.Option(
-            help="Also try interleaved 1F1B (virtual stages) on the plan found and keep the fastest; train --plan "
-            "runs it in the Flax pipeline.",
+            help="Also try interleaved 1F1B (virtual stages) on the plan found and keep the fastest; under 1F1B the "
+            "certified gap then covers every v up to half the blocks (a weaker bound). train --plan runs it in the "
+            "Flax pipeline.",
         ),
     ] = False,
     output: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
