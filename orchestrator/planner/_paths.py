@@ -170,8 +170,6 @@ class StageColumns:
         self._priced_beaten_by = None  # (``_price_dominance``, built when first needed)
         # answers by (mask, kind): one per in-flight count, as the cutoff is fixed for a search (read from threads)
         self._undominated: dict[tuple[bytes, bool], np.ndarray] = {}
-        # the LP of each open (stage count, cutoff) piece, solved by ``first_bound_s``, for its MIP to start from
-        self._solved: dict[tuple[int, float], _PositionsLP] = {}
 
     def own_ms(self, position: int, stages: int) -> np.ndarray:
         """[v, g] (ms): the least step of any plan of ``stages`` stages with shape v on group g at
@@ -354,25 +352,19 @@ class StageColumns:
         z_top = lp.least_step_ms(top)
         if z_top >= cutoff_ms:
             return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None
-        # an open piece's MIP under the same cutoff starts from this LP, solved (``integer_bound_s``)
-        self._solved[stages, cutoff_ms] = lp
 
         def refine(probes: int = PROBES) -> float:
-            nonlocal lp
             best, hi = z_top, top  # (every plan has its stages within hi, or is above the cutoff)
             lo = best / M  # below it, M·T ≤ best: nothing to gain
             for _ in range(probes):
                 if hi - lo <= TOLERANCE * hi:
                     break
-                if lp.taken:  # a MIP has its model now (a bisection after it): the same LP, loaded again
-                    lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
                 mid = (lo + hi) / 2
                 z = lp.least_step_ms(mid)
                 if z >= M * mid:  # the crossing lies above mid: min(M·T, Z(T)) ≥ M·mid there
                     best, lo = max(best, M * mid), mid
                 else:
                     best, hi = max(best, z), mid
-                lo = max(lo, best / M)  # (a T with M·T ≤ best cannot raise it)
             return min(best, cutoff_ms) / MS
 
         return min(z_top, cutoff_ms) / MS, refine
@@ -404,10 +396,7 @@ class StageColumns:
         cutoff_ms = cutoff_s * MS
         # (with ``price``, a plan excluded once priced stands for the plans of the columns it dominates:
         # only where its price is no higher than theirs, ``_price_dominance``)
-        lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms, priced=price is not None, load=False)
-        solved = self._solved.pop((stages, cutoff_ms), None)
-        if not lp.empty and (solved is None or not lp.take_over(solved)):
-            lp.highs = lp._load()
+        lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms, priced=price is not None)
         if lp.empty:
             return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None, True
         kept = lp.drop_by_reduced_cost(cutoff_ms)
@@ -487,13 +476,8 @@ def _onto(g: np.ndarray, groups: int):
 class _PositionsLP:
     """The LP of :class:`StageColumns` for one stage count, in HiGHS."""
 
-    def __init__(
-        self, columns: StageColumns, stages: int, *, cutoff_ms: float, priced: bool = False, load: bool = True
-    ):
-        """The columns of ``stages`` positions below ``cutoff_ms``, loaded into HiGHS unless ``load`` is
-        False (then :meth:`take_over` may load them from an LP already solved)."""
+    def __init__(self, columns: StageColumns, stages: int, *, cutoff_ms: float, priced: bool = False):
         self.c, self.S = columns, stages
-        self.taken = False  # (set when a MIP has taken this LP's HiGHS model over)
         M, S = columns.M, stages
         cells = []  # (position, shape, group) of every column
         own = []  # [v, g] per position: the least step of any plan with that column there
@@ -514,34 +498,7 @@ class _PositionsLP:
         # each column's own bound over M: closing those above T closes every column M·T cannot pay for
         self.stage_ms = np.stack(own)[self.position, self.shape, self.group] / M if len(self.position) else np.zeros(0)
         self.empty = any(not np.any(self.position == p) for p in range(S))
-        self.highs = None if self.empty or not load else self._load()
-
-    def _keys(self) -> np.ndarray:
-        """Each column's (position, shape, group) as one number, ascending (the columns are built in that order)."""
-        return np.ravel_multi_index(
-            (self.position, self.shape, self.group), (self.S, len(self.c.counts), len(self.c.groups))
-        )
-
-    def take_over(self, solved: _PositionsLP) -> bool:
-        """Load this LP as ``solved``'s HiGHS model (same stage count, its columns a superset of
-        these), less the columns this one lacks and with every column's bound back at 1, so the next
-        solve starts from ``solved``'s last basis rather than from nothing. The model is then the one
-        :meth:`_load` builds for these columns (a row it would leave out, a transfer row of deleted
-        columns, is only Q ≥ 0). ``solved`` gives its model up. False (nothing changed) where its
-        columns do not cover these or it has no model."""
-        if self.empty or solved.highs is None or solved.taken or solved.S != self.S:
-            return False
-        kept = np.isin(solved._keys(), self._keys())
-        if int(kept.sum()) != len(self.position):
-            return False
-        highs = solved.highs
-        gone = np.nonzero(~kept)[0].astype(np.int32)
-        if len(gone):
-            highs.deleteCols(len(gone), gone)
-        X = len(self.position)
-        highs.changeColsBounds(X, np.arange(X, dtype=np.int32), np.zeros(X), np.ones(X))
-        self.highs, solved.highs, solved.taken = highs, None, True
-        return True
+        self.highs = None if self.empty else self._load()
 
     def _load(self):
         c, S, M = self.c, self.S, self.c.M
