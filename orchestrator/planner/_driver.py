@@ -126,8 +126,8 @@ def plan(
       memory_headroom: the share of each device's memory a plan leaves free (``MEMORY_HEADROOM``,
         10%): a stage may fill capacity × (1 − memory_headroom) per device.
       virtual_stages: also price the plan found under interleaved 1F1B with v > 1 model chunks
-        per stage and keep the fastest (``_make_plan``; its gap covers plain schedules). Off by
-        default; the Flax pipeline runs v > 1 (``integrations.torch_xla`` runs one-stage plans only).
+        per stage and keep the fastest (``_make_plan``); under 1F1B the gap then covers every v up to
+        half the blocks, against the weaker bound of ``_interleaved_bound``. Off by default; the Flax pipeline runs v > 1 (``integrations.torch_xla`` runs one-stage plans only).
       sequence_parallel, selective_recompute, overlap_param_gather: price every stage with that
         option (``search_space``), as a published configuration is priced; off by default, as
         ``integrations.torch_xla.apply`` runs none of them.
