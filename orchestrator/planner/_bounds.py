@@ -110,17 +110,17 @@ def _packing_search(
 def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float) -> dict[int, dict[int, float]]:
     """{M: {S: bound (s)}} from whole stages as columns (``_paths``), each at most the cutoff, which
     closes the piece: the first LP of every (M, S), the incumbent's M and its neighbours first (a
-    piece that cannot beat the incumbent closes there), then the bisection of every piece left open,
-    weakest first (``StageColumns.first_bound_s``), so that no M keeps only its capacity bound while
-    another M's pieces are tightened; then, where
+    piece that cannot beat the incumbent closes there; ``StageColumns.first_bound_s``, whose
+    bisection is not run: a piece it leaves open goes to its MIP, which is far tighter, and the
+    bisections' solves are what that MIP then lacks); then, where
     an LP leaves its (M, S) more than ``gap`` below the incumbent, its MIP (after every LP, weakest
     first; a fair share of the time left, at least ``options.column_mip_s``), all on
     ``default_workers()`` threads (highspy releases the GIL). Every MIP solution whose stages chain
     is offered to ``best``; the MIP then excludes it and goes on (``StageColumns.integer_bound_s``).
     A better incumbent lowers the cutoff for the MIPs running and still to run, and a MIP stopped by
     its time limit runs again, with at least ``options.retry_growth`` times its last limit, while
-    time is left. Solves ``deadline`` stops leave their (M, S) out (first LP) or at its first LP's bound
-    (bisection) or at the LP's bound (MIP). Over ``candidates`` (default: the scope's)."""
+    time is left. Solves ``deadline`` stops leave their (M, S) out (first LP) or at the LP's bound
+    (MIP). Over ``candidates`` (default: the scope's)."""
     space, max_stages, gap, options = scope.space, scope.max_stages, scope.gap, scope.options
     candidates = scope.candidates if candidates is None else candidates
     found: dict[int, dict[int, float]] = {M: {} for M in candidates}
@@ -177,23 +177,13 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
             waiting = sorted((found[M][S], M, S) for M, S in pieces if found[M][S] < cutoff_s)
             jobs.extend(("mip", M, S, functools.partial(mip, M, S)) for _, M, S in waiting)
 
-    lps, stopped, refines = len(jobs), [], {}
+    lps, stopped = len(jobs), []
     try:
         for kind, M, S, result in _on_threads(pool, workers, jobs, deadline):
-            if kind in ("lp", "bisect"):
-                if kind == "lp":
-                    found[M][S], refine = result
-                    if refine is not None:
-                        refines[M, S] = refine
-                else:
-                    found[M][S] = max(found[M][S], result)
+            if kind == "lp":
+                found[M][S], _ = result  # (the bisection it offers is not run, above)
                 lps -= 1
-                if not lps and refines:  # every first LP done: the bisections, weakest piece first
-                    log.debug("column first LPs done, %d pieces open", len(refines))
-                    for key in sorted(refines, key=lambda key: (found[key[0]][key[1]], key)):
-                        jobs.append(("bisect", *key, refines.pop(key)))
-                        lps += 1
-                elif not lps:
+                if not lps:
                     log.debug("column LPs done")
                     queue([(M, S) for M, bounds in found.items() for S in bounds])
                 continue
