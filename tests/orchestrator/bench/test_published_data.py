@@ -53,6 +53,8 @@ PARALLEL_KEYS = {
     "fsdp",
     "overlap_param_gather",
 }
+# Keys a run may leave out (the data README marks them optional), each with its allowed values.
+OPTIONAL_PARALLEL = {"embedding_and_loss_as_layers": {True, False}}
 MEASURED_KEYS = {"tflops_per_gpu", "seconds_per_iteration", "tokens_per_second_per_gpu", "mfu"}
 
 # Closed sets; None means the source does not publish the field.
@@ -121,7 +123,9 @@ def test_run_has_exactly_the_schema_keys(run):
     assert set(run) == RUN_KEYS
     assert set(run["model"]) == MODEL_KEYS
     assert set(run["cluster"]) == CLUSTER_KEYS
-    assert set(run["parallel"]) == PARALLEL_KEYS
+    assert PARALLEL_KEYS <= set(run["parallel"]) <= PARALLEL_KEYS | set(OPTIONAL_PARALLEL)
+    for key, allowed in OPTIONAL_PARALLEL.items():
+        assert run["parallel"].get(key, False) in allowed, ("parallel", key)
     assert set(run["measured"]) == MEASURED_KEYS
     for (section, key), allowed in ALLOWED.items():
         assert run[section][key] in allowed, (section, key)
