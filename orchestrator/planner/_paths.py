@@ -36,19 +36,26 @@ first into one (``_ilp.transfer_floors_s``: a boundary spreads over the smaller 
 most either side's own count, so a narrow group pays its own price whatever its neighbour);
 d_p = k_p − 1 under 1F1B (0 under GPipe), Q↑ = Σ_{p′>p} Q_p′ and Q↓ = Σ_{1≤p′≤p} Q_p′:
 
-    Z ≥ Σ_{p′>p} C_p′ + M·C_p + 2·Q↑                                         fill ahead of p
-    Z ≥ Σ_{p′} C_p′ + (M−1)·C_p − d_p·F_p + 2·ΣQ                             the whole round trip
+    W ≥ Σ_{p′>p} C_p′ + M·C_p + 2·Q↑                                         fill ahead of p
+    W ≥ Σ_{p′} C_p′ + (M−1)·C_p − d_p·F_p + 2·ΣQ                             the whole round trip
+    W ≥ Σ_{p′>p} C_p′ + cycle_p + 2·Q↑                                        1F1B's in-flight cycle
+    W ≥ Σ_{p′>p} C_p′ + C_p + 2·Q↑ + 2M·Q_p                                  p's link (1F1B, p ≥ 1)
+    W ≥ Σ_{p′} C_p′ + 2·ΣQ + 2(M−1)·Q_p                                      p's link (GPipe, p ≥ 1)
+    Z ≥ W,   Z ≥ W − B_{S−1} + E_{S−1} [+ b_last if S = 1]                   the drain, then the
+                                                                               first stage's sync
     Z ≥ Σ_{p′>p} F_p′ + M·C_p − B_p + E_p + Q↑ [+ b_last]                      tail after the drain
     Z ≥ Σ_{p′>p} F_p′ + Σ_{p′<p} C_p′ + M·C_p − B_p + E_p − d_p·F_p + Q↑ + 2·Q↓ [+ b_last]
-    Z ≥ Σ_{p′>p} C_p′ + (q+1)·(Σ_{p′≤p} C_p′ + 2·Q↓) + r·B_p + 2·Q↑            1F1B's in-flight cycle,
-                                                                               M − 1 = q·(p+1) + r
-    Z ≥ Σ_{p′>p} C_p′ + C_p + 2·Q↑ + 2M·Q_p                                  p's link (1F1B, p ≥ 1)
-    Z ≥ Σ_{p′} C_p′ + 2·ΣQ + 2(M−1)·Q_p                                      p's link (GPipe, p ≥ 1)
+    Z ≥ Σ_{p′>p} F_p′ + cycle_p − B_p + E_p + Q↑ [+ b_last]                    p's sync after its cycle
     Z ≥ Σ_{p′} C_p′ + (M−1)·b₀ + e₀ + 2·ΣQ                                    the first layer's sync
                                                                                (its own run only)
 
-(b_last: the last layer's backward on position 0's group; b₀, e₀: the first layer's backward,
-sync and optimizer on position S−1's group.) Every plan of S stages whose stages are each at
+with 1F1B's in-flight cycle of p, M − 1 = q·(p+1) + r: cycle_p = (q+1)·(Σ_{p′≤p} C_p′ + 2·Q↓) + r·C_p
+for q ≥ 1 and r·B_p for q = 0 (``_closed_form``: E_s ≥ B_s + q·L_s + r·(c_s or b_s) + b_s, with
+B_s ≥ U^f_s + L_s − b_s). W bounds the drain, max_s (E_s + U^b_s); the first stage's last backward
+ends at W, and a stage's sync flow shop ends at least Σ y after its last backward less b_s, so
+Y_s + o_s ≥ E_s − b_s + e_s: for the first stage at W, for any stage at its cycle. (b_last: the last
+layer's backward on position 0's group; b₀, e₀: the first layer's backward, sync and optimizer on
+position S−1's group.) Every plan of S stages whose stages are each at
 most the cutoff / M gives a point of this LP with Z its step time, so the least Z bounds it; a
 plan with a slower stage is above the cutoff. The bound is therefore min(LP, cutoff) — and the
 cutoff itself, closing the piece, when the LP is infeasible or reaches it. Three things make it
@@ -61,9 +68,13 @@ taking no more devices (:meth:`StageColumns._dominance`).
 
 The MIP first solves its LP and drops every column whose reduced cost lifts the LP above the cutoff
 (:meth:`_PositionsLP.drop_by_reduced_cost`), then runs without presolve and without HiGHS's
-sub-MIP heuristics (``MIP_OPTIONS``). Given a pricing function, it prices each plan it finds and
-excludes it, until none is left below the cutoff: its rows only bound the closed form, so a plan
-it finds below the cutoff may be priced above it. A plan excluded stands for the plans of the
+sub-MIP heuristics (``MIP_OPTIONS``). Given a pricing function, it stops at each plan it finds
+(HiGHS's ``mip_max_improving_sols`` 1), prices it, which may lower the cutoff, and excludes it with
+every order of its inner stages that it holds (:meth:`StageColumns._reorders`, each priced too:
+the rows see a stage's neighbours only through its transfer floors, so those orders are what it
+would find next), until none is left below the cutoff: its rows only bound the closed form, so a
+plan it finds below the cutoff may be priced above it. Its bound is HiGHS's dual bound, never the
+objective of a plan it stopped at. A plan excluded stands for the plans of the
 columns it dominates, so that MIP drops only the columns dominated in price, not merely in its
 rows (:meth:`StageColumns._price_dominance`). Reduced-cost fixing and the options below make each
 MIP of the largest presets' open pieces a fraction of a second.
@@ -86,6 +97,9 @@ from orchestrator.solver import highs_lp, work
 # the bisection on the bottleneck stops when its bracket is this close (relative), or after PROBES solves
 TOLERANCE = 1e-3
 PROBES = 12
+# the most reorders of a MIP's plan priced and excluded with it (``StageColumns._reorders``): the 6! orders
+# of the inner stages of 8
+REORDERS = 720
 # HiGHS options of the MIPs. No presolve: on most presets' open pieces the MIPs close two to four
 # times sooner without it (the largest, GPT-175B's, the other way, by less). No RENS, RINS, root
 # reduced-cost, ZI-round or shifting heuristics: after reduced-cost fixing the MIPs only prove that
@@ -409,6 +423,7 @@ class StageColumns:
         for option, value in MIP_OPTIONS.items():
             lp.highs.setOptionValue(option, value)
         floor, priced = 0.0, math.inf  # (ms) the MIP's bound so far; the least price of the plans priced
+        column_of = {(int(lp.position[i]), int(lp.shape[i]), int(lp.group[i])): j for j, i in enumerate(kept)}
         for excluded in itertools.count():
             left = time_limit_s - (work.now() - started)
             if excluded and left <= 0:  # out of time between two solves
@@ -419,17 +434,18 @@ class StageColumns:
                 lp.highs.setOptionValue(option, value)
             if math.isfinite(cutoff_ms):
                 lp.highs.setOptionValue("objective_bound", cutoff_ms)
+            if price is not None:  # (each plan it finds is priced at once, and may lower the cutoff)
+                lp.highs.setOptionValue("mip_max_improving_sols", 1)
             work.run(lp.highs)
             status = lp.highs.getModelStatus()
             info = lp.highs.getInfo()
             if status == highspy.HighsModelStatus.kInfeasible:
                 return min(cutoff_ms, priced) / MS, None, True
             optimal = status == highspy.HighsModelStatus.kOptimal
-            if optimal:
-                floor = info.objective_function_value
-            elif math.isfinite(info.mip_dual_bound):  # stopped: its dual bound, if it has one
+            found = status == highspy.HighsModelStatus.kSolutionLimit  # stopped at a plan, to price it
+            if math.isfinite(info.mip_dual_bound):  # its dual bound (optimal: within ``mip_rel_gap`` of its plan)
                 floor = max(floor, info.mip_dual_bound)
-            chosen, picked = None, None
+            chosen, picked, at = None, None, {}
             if info.primal_solution_status == 2:  # a solution: the column at each position, first stage first
                 picked = np.nonzero(np.asarray(lp.highs.getSolution().col_value[:X]) > 0.5)[0]
                 at = {int(lp.position[i]): (int(lp.shape[i]), int(lp.group[i])) for i in kept[picked]}
@@ -437,13 +453,43 @@ class StageColumns:
                     chosen = self.chain([at[p] for p in reversed(range(stages))])
             if price is None:
                 return min(max(floor, 0.0), cutoff_ms) / MS, chosen, optimal
+            cuts = [picked] if picked is not None else []
             if chosen is not None:
                 step_s, now_s = price([layers for layers, _ in chosen], [group for _, group in chosen])
                 priced, cutoff_ms = min(priced, step_s * MS), min(cutoff_ms, now_s * MS)
+                if (optimal or found) and floor < cutoff_ms:  # the MIP goes on: its plan's reorders go with it
+                    for columns, plan in self._reorders(at, stages, column_of):
+                        step_s, now_s = price([layers for layers, _ in plan], [group for _, group in plan])
+                        priced, cutoff_ms = min(priced, step_s * MS), min(cutoff_ms, now_s * MS)
+                        cuts.append(columns)
             bound_ms = min(max(floor, 0.0), cutoff_ms, priced)
-            if not optimal or picked is None or floor >= cutoff_ms:
+            if not (optimal or found) or picked is None or floor >= cutoff_ms:
                 return bound_ms / MS, None, optimal or floor >= cutoff_ms
-            lp.highs.addRow(-math.inf, float(stages - 1), len(picked), picked.astype(np.int32), np.ones(len(picked)))
+            for cut in cuts:
+                lp.highs.addRow(-math.inf, float(stages - 1), len(cut), cut.astype(np.int32), np.ones(len(cut)))
+
+    def _reorders(self, at: dict[int, tuple[int, int]], stages: int, column_of: dict):
+        """(the MIP's column indices, the plan in pipeline order) of every other order of the stages
+        of the solution ``at`` ({position: (shape, group)}) between the first and the last whose
+        columns the MIP holds and whose shapes chain: at most ``REORDERS`` of them. The step rows
+        price a stage's neighbours only through the floors of its own transfers, so the MIP's next
+        solutions are often these same stages reordered, each costing a solve to exclude;
+        priced and excluded together, they cost one."""
+        middle = [at[p] for p in range(1, stages - 1)]
+        if math.factorial(len(middle)) > REORDERS:
+            return
+        seen = {tuple(middle)}
+        for order in itertools.permutations(middle):
+            if order in seen:
+                continue
+            seen.add(order)
+            full = [at[0], *order, at[stages - 1]]
+            columns = [column_of.get((p, *full[p])) for p in range(stages)]
+            if None in columns:  # (a column the MIP does not hold: it cannot choose this order)
+                continue
+            plan = self.chain(list(reversed(full)))
+            if plan is not None:
+                yield np.array(columns, dtype=np.int64), plan
 
     def chain(self, columns: list[tuple[int, int]]) -> list[tuple[list[int], GroupConfig]] | None:
         """(layers, group) of each (shape, group) in pipeline order, the shapes laid end to end from
@@ -507,7 +553,8 @@ class _PositionsLP:
         time, forward, after = c.time[shape, group], c.forward[shape, group], c.after[shape, group]
         # columns: x (X), then C_p, F_p, E_p, Q_p (S each; Q_0 unused), then Z
         C, F, E, Q, Z = X, X + S, X + 2 * S, X + 3 * S, X + 4 * S
-        n_columns = Z + 1
+        W = Z + 1  # the drain: when the first stage's last backward ends
+        n_columns = W + 1
         rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
         x = np.arange(X)
         for p in range(S):
@@ -535,14 +582,18 @@ class _PositionsLP:
             """weight·Q_p over the boundaries sent from ``positions``."""
             return {Q + q: weight for q in positions if q >= 1}
 
-        def step_row(weights: dict[int, float], extra: np.ndarray | None = None) -> None:
-            """Z ≥ Σ weight·column + Σ extra·x."""
+        def step_row(weights: dict[int, float], extra: np.ndarray | None = None, *, above: int = Z) -> None:
+            """``above`` (Z) ≥ Σ weight·column + Σ extra·x."""
             cols = np.array(list(weights), dtype=np.int64)
             vals = -np.array(list(weights.values()), dtype=float)
             if extra is not None and np.any(extra):
                 used = extra != 0
                 cols, vals = np.r_[cols, x[used]], np.r_[vals, -extra[used]]
-            rows.append((np.r_[cols, Z], np.r_[vals, 1.0], 0.0, math.inf))
+            rows.append((np.r_[cols, above], np.r_[vals, 1.0], 0.0, math.inf))
+
+        def drained(weights: dict[int, float]) -> None:
+            """W ≥ a row of the drain (Z ≥ W, and the first stage's sync follows W: below)."""
+            step_row(weights, above=W)
 
         everywhere = range(S)
         for p in range(S):
@@ -550,11 +601,11 @@ class _PositionsLP:
             d = 0 if c.schedule == "gpipe" else K - 1
             up, down = range(p + 1, S), range(p)
             # fill ahead of p (each boundary upstream there and back)
-            step_row({**{C + q: 1.0 for q in up}, C + p: float(M), **links(up, 2.0)})
+            drained({**{C + q: 1.0 for q in up}, C + p: float(M), **links(up, 2.0)})
             # the whole round trip
             w = {C + q: 1.0 for q in range(S)}
             w[C + p] += M - 1
-            step_row({**w, F + p: -float(d), **links(everywhere, 2.0)})
+            drained({**w, F + p: -float(d), **links(everywhere, 2.0)})
             # the tail after the drain: upstream forwards, then M·C − B + E = (M−1)·C + F + E
             tail = {**{F + q: 1.0 for q in up}, C + p: float(M - 1), F + p: 1.0, E + p: 1.0, **links(up, 1.0)}
             step_row(tail, last_backward if p == 0 else None)
@@ -563,24 +614,36 @@ class _PositionsLP:
             step_row(whole, last_backward if p == 0 else None)
             if c.schedule != "gpipe":  # the in-flight cycle, K = p + 1
                 q, r = divmod(M - 1, p + 1)
-                cycle = {**{C + s: 1.0 for s in up}, **{C + s: float(q + 1) for s in down}}
-                cycle[C + p] = float(q + 1 + r)
-                cycle[F + p] = -float(r)  # r·B_p = r·(C_p − F_p)
-                step_row({**cycle, **links(up, 2.0), **links(range(p + 1), 2.0 * (q + 1))})
+                cycle = {**{C + s: float(q + 1) for s in down}, C + p: float(q + 1 + r)}
+                if not q:  # r·B_p = r·(C_p − F_p) (r·C_p once a cycle has gone round)
+                    cycle[F + p] = -float(r)
+                round_trips = links(range(p + 1), 2.0 * (q + 1))
+                drained({**cycle, **{C + s: 1.0 for s in up}, **links(up, 2.0), **round_trips})
+                # then its sync and optimizer, without the drain: − B_p + E_p
+                synced = {**cycle, **{F + s: 1.0 for s in up}, **links(up, 1.0), **round_trips, E + p: 1.0}
+                synced[C + p] -= 1.0
+                synced[F + p] = synced.get(F + p, 0.0) + 1.0
+                step_row(synced, last_backward if p == 0 else None)
             if p >= 1:  # p's outgoing link carries 2M transfers between its first forward and last backward
                 if c.schedule == "gpipe":  # (both flow shops wait on it M − 1 times each)
                     row = {**{C + s: 1.0 for s in everywhere}, **links(everywhere, 2.0)}
                     row[Q + p] += 2.0 * (M - 1)
                 else:
                     row = {**{C + s: 1.0 for s in up}, C + p: 1.0, **links(up, 2.0), Q + p: 2.0 * M}
-                step_row(row)
+                drained(row)
         if c.first_tail is not None:
             first = np.where(pos == S - 1, c.first_tail[group], 0.0)
             step_row({**{C + q: 1.0 for q in range(S)}, **links(everywhere, 2.0)}, first)
 
+        # Z ≥ W, and Z ≥ W − B + E of the first stage: its gradient sync and optimizer start after the
+        # drain (``_closed_form``: the first stage's last backward ends at W)
+        first_stage = S - 1
+        step_row({W: 1.0})
+        step_row({W: 1.0, C + first_stage: -1.0, F + first_stage: 1.0, E + first_stage: 1.0},
+                 last_backward if first_stage == 0 else None)  # fmt: skip
         cost = np.zeros(n_columns)
         cost[Z] = 1.0
-        upper = np.r_[np.ones(X), np.full(3 * S, math.inf), 0.0, np.full(S - 1, math.inf), math.inf]
+        upper = np.r_[np.ones(X), np.full(3 * S, math.inf), 0.0, np.full(S - 1, math.inf), math.inf, math.inf]
         return highs_lp(cost, upper, rows)
 
     def drop_by_reduced_cost(self, cutoff_ms: float) -> np.ndarray | None:
