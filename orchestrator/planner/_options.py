@@ -28,8 +28,8 @@ class SearchOptions:
     polish_share: float = 0.001
     """The local search around the first incumbent (``_polish``) gets at most this share of the time
     limit: a token one. The whole-stage MIPs that certify the gap also find plans, and better ones
-    where the local search is long (GPT-175B × mixed-4type-512 at 10 s: 434.16 s from the MIPs against
-    436.66 s from a search given 1/6, which then leaves the bound at 6.0%), so their time is spent
+    where the local search is long (GPT-175B × mixed-4type-512 at 10 s: 433.14 s from the MIPs against
+    436.66 s from a search given 1/6, which then leaves the bound at 15.8%), so their time is spent
     there."""
 
     polish_by: float = 1 / 2
