@@ -320,7 +320,7 @@ def test_a_mips_plan_is_excluded_with_its_reorders_and_the_priced_bound_stays_ex
             checked += 1
             swapped = any(a[1][1:3] == b[1][2:0:-1] and a[1][0] == b[1][0] for a in prices for b in prices if a != b)
             reordered += swapped
-            if swapped and not enumerated:
+            if swapped and not enumerated and space.layers == 4:  # (one partition to enumerate)
                 assert bound == pytest.approx(_best_of_exactly(space, M, 4, "1f1b"), rel=1e-6)
                 enumerated += 1
     assert checked >= 10 and reordered >= 2 and enumerated, (checked, reordered)
