@@ -471,10 +471,10 @@ class StageColumns:
     def _reorders(self, at: dict[int, tuple[int, int]], stages: int, column_of: dict):
         """(the MIP's column indices, the plan in pipeline order) of every other order of the stages
         of the solution ``at`` ({position: (shape, group)}) between the first and the last whose
-        columns the MIP holds and whose shapes chain: at most ``REORDERS`` of them. The step rows
-        price a stage's neighbours only through the floors of its own transfers, so the MIP's next
-        solutions are often these same stages reordered, each costing a solve to exclude;
-        priced and excluded together, they cost one."""
+        columns the MIP holds and whose shapes chain; none when the inner stages have more than
+        ``REORDERS`` orders. The step rows price a stage's neighbours only through the floors of its
+        own transfers, so the MIP's next solutions are often these same stages reordered, each
+        costing a solve to exclude; priced and excluded together, they cost one."""
         middle = [at[p] for p in range(1, stages - 1)]
         if math.factorial(len(middle)) > REORDERS:
             return
@@ -551,7 +551,7 @@ class _PositionsLP:
         X = len(self.position)
         pos, shape, group = self.position, self.shape, self.group
         time, forward, after = c.time[shape, group], c.forward[shape, group], c.after[shape, group]
-        # columns: x (X), then C_p, F_p, E_p, Q_p (S each; Q_0 unused), then Z
+        # columns: x (X), then C_p, F_p, E_p, Q_p (S each; Q_0 unused), then Z and W
         C, F, E, Q, Z = X, X + S, X + 2 * S, X + 3 * S, X + 4 * S
         W = Z + 1  # the drain: when the first stage's last backward ends
         n_columns = W + 1
