@@ -551,10 +551,12 @@ class _PositionsLP:
         X = len(self.position)
         pos, shape, group = self.position, self.shape, self.group
         time, forward, after = c.time[shape, group], c.forward[shape, group], c.after[shape, group]
-        # columns: x (X), then C_p, F_p, E_p, Q_p (S each; Q_0 unused), then Z and W
+        # columns: x (X), then C_p, F_p, E_p, Q_p (S each; Q_0 unused), Z and W, then the partial sums
+        # the step rows read (S each): Σ_{q>p} C_q, Σ_{q<p} C_q, Σ_{q>p} F_q, Σ_{q>p} Q_q, Σ_{1≤q≤p} Q_q
         C, F, E, Q, Z = X, X + S, X + 2 * S, X + 3 * S, X + 4 * S
         W = Z + 1  # the drain: when the first stage's last backward ends
-        n_columns = W + 1
+        C_up, C_down, F_up, Q_up, Q_down = (W + 1 + k * S for k in range(5))
+        n_columns = W + 1 + 5 * S
         rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
         x = np.arange(X)
         for p in range(S):
@@ -562,6 +564,20 @@ class _PositionsLP:
             rows.append((mine, np.ones(len(mine)), 1.0, 1.0))
             for column, weights in ((C + p, time), (F + p, forward), (E + p, after)):
                 rows.append((np.r_[mine, column], np.r_[weights[mine], -1.0], 0.0, 0.0))
+        # each partial sum from its neighbour's, so that a step row holds a few columns, not O(S): the
+        # LP is the same, and HiGHS's cut separators, which walk every row, take a fraction of the time
+        for total, base, step, order in (
+            (C_up, C, 1, range(S - 1)),  # C↑_p = C↑_{p+1} + C_{p+1}
+            (F_up, F, 1, range(S - 1)),
+            (Q_up, Q, 1, range(S - 1)),
+            (C_down, C, -1, range(1, S)),  # C↓_p = C↓_{p−1} + C_{p−1}
+        ):
+            for p in order:
+                rows.append(
+                    (np.array([total + p, total + p + step, base + p + step]), np.array([1.0, -1.0, -1.0]), 0.0, 0.0)
+                )
+        for p in range(1, S):  # Q↓_p = Q↓_{p−1} + Q_p
+            rows.append((np.array([Q_down + p, Q_down + p - 1, Q + p]), np.array([1.0, -1.0, -1.0]), 0.0, 0.0))
         # Q_p: the transfer from position p to p − 1, at least what p's column sends and what p − 1's receives
         for p in range(1, S):
             for side, floor in ((p, c.send), (p - 1, c.receive)):
@@ -578,9 +594,17 @@ class _PositionsLP:
             rows.append((x[used], size[used], -math.inf, float(c.infos[t].devices)))
         last_backward = np.where(pos == 0, c.last_backward[group], 0.0)  # on position 0's group
 
-        def links(positions, weight: float) -> dict[int, float]:
-            """weight·Q_p over the boundaries sent from ``positions``."""
-            return {Q + q: weight for q in positions if q >= 1}
+        def up_to(p: int, weight: float) -> dict[int, float]:
+            """weight·Σ_{1≤q≤p} Q_q: the boundaries sent from positions p and below."""
+            return {Q_down + p: weight}
+
+        def ahead(p: int, weight: float) -> dict[int, float]:
+            """weight·Σ_{q>p} Q_q: the boundaries sent from beyond p."""
+            return {Q_up + p: weight}
+
+        def every_C(p: int, weight: float = 1.0) -> dict[int, float]:
+            """weight·Σ_q C_q, read at p."""
+            return {C_down + p: weight, C + p: weight, C_up + p: weight}
 
         def step_row(weights: dict[int, float], extra: np.ndarray | None = None, *, above: int = Z) -> None:
             """``above`` (Z) ≥ Σ weight·column + Σ extra·x."""
@@ -595,45 +619,43 @@ class _PositionsLP:
             """W ≥ a row of the drain (Z ≥ W, and the first stage's sync follows W: below)."""
             step_row(weights, above=W)
 
-        everywhere = range(S)
         for p in range(S):
             K = in_flight(c.schedule, M, S, S - 1 - p)
             d = 0 if c.schedule == "gpipe" else K - 1
-            up, down = range(p + 1, S), range(p)
             # fill ahead of p (each boundary upstream there and back)
-            drained({**{C + q: 1.0 for q in up}, C + p: float(M), **links(up, 2.0)})
+            drained({C_up + p: 1.0, C + p: float(M), **ahead(p, 2.0)})
             # the whole round trip
-            w = {C + q: 1.0 for q in range(S)}
+            w = every_C(p)
             w[C + p] += M - 1
-            drained({**w, F + p: -float(d), **links(everywhere, 2.0)})
+            drained({**w, F + p: -float(d), **ahead(p, 2.0), **up_to(p, 2.0)})
             # the tail after the drain: upstream forwards, then M·C − B + E = (M−1)·C + F + E
-            tail = {**{F + q: 1.0 for q in up}, C + p: float(M - 1), F + p: 1.0, E + p: 1.0, **links(up, 1.0)}
+            tail = {F_up + p: 1.0, C + p: float(M - 1), F + p: 1.0, E + p: 1.0, **ahead(p, 1.0)}
             step_row(tail, last_backward if p == 0 else None)
-            whole = {**tail, **{C + q: 1.0 for q in down}, **links(range(p + 1), 2.0)}
+            whole = {**tail, C_down + p: 1.0, **up_to(p, 2.0)}
             whole[F + p] = 1.0 - d
             step_row(whole, last_backward if p == 0 else None)
             if c.schedule != "gpipe":  # the in-flight cycle, K = p + 1
                 q, r = divmod(M - 1, p + 1)
-                cycle = {**{C + s: float(q + 1) for s in down}, C + p: float(q + 1 + r)}
+                cycle = {C_down + p: float(q + 1), C + p: float(q + 1 + r)}
                 if not q:  # r·B_p = r·(C_p − F_p) (r·C_p once a cycle has gone round)
                     cycle[F + p] = -float(r)
-                round_trips = links(range(p + 1), 2.0 * (q + 1))
-                drained({**cycle, **{C + s: 1.0 for s in up}, **links(up, 2.0), **round_trips})
+                round_trips = up_to(p, 2.0 * (q + 1))
+                drained({**cycle, C_up + p: 1.0, **ahead(p, 2.0), **round_trips})
                 # then its sync and optimizer, without the drain: − B_p + E_p
-                synced = {**cycle, **{F + s: 1.0 for s in up}, **links(up, 1.0), **round_trips, E + p: 1.0}
+                synced = {**cycle, F_up + p: 1.0, **ahead(p, 1.0), **round_trips, E + p: 1.0}
                 synced[C + p] -= 1.0
                 synced[F + p] = synced.get(F + p, 0.0) + 1.0
                 step_row(synced, last_backward if p == 0 else None)
             if p >= 1:  # p's outgoing link carries 2M transfers between its first forward and last backward
                 if c.schedule == "gpipe":  # (both flow shops wait on it M − 1 times each)
-                    row = {**{C + s: 1.0 for s in everywhere}, **links(everywhere, 2.0)}
-                    row[Q + p] += 2.0 * (M - 1)
+                    row = {**every_C(p), **ahead(p, 2.0), **up_to(p, 2.0)}
+                    row[Q + p] = 2.0 * (M - 1)
                 else:
-                    row = {**{C + s: 1.0 for s in up}, C + p: 1.0, **links(up, 2.0), Q + p: 2.0 * M}
+                    row = {C_up + p: 1.0, C + p: 1.0, **ahead(p, 2.0), Q + p: 2.0 * M}
                 drained(row)
         if c.first_tail is not None:
             first = np.where(pos == S - 1, c.first_tail[group], 0.0)
-            step_row({**{C + q: 1.0 for q in range(S)}, **links(everywhere, 2.0)}, first)
+            step_row({**every_C(0), **ahead(0, 2.0)}, first)
 
         # Z ≥ W, and Z ≥ W − B + E of the first stage: its gradient sync and optimizer start after the
         # drain (``_closed_form``: the first stage's last backward ends at W)
@@ -643,7 +665,16 @@ class _PositionsLP:
                  last_backward if first_stage == 0 else None)  # fmt: skip
         cost = np.zeros(n_columns)
         cost[Z] = 1.0
-        upper = np.r_[np.ones(X), np.full(3 * S, math.inf), 0.0, np.full(S - 1, math.inf), math.inf, math.inf]
+        upper = np.r_[
+            np.ones(X),
+            np.full(3 * S, math.inf),
+            0.0,
+            np.full(S - 1, math.inf),
+            math.inf,
+            math.inf,
+            np.full(5 * S, math.inf),
+        ]
+        upper[[C_up + S - 1, F_up + S - 1, Q_up + S - 1, C_down, Q_down]] = 0.0  # (the empty sums)
         return highs_lp(cost, upper, rows)
 
     def drop_by_reduced_cost(self, cutoff_ms: float) -> np.ndarray | None:
