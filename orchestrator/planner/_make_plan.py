@@ -188,9 +188,12 @@ def allocate(
             out[index] = tuple(wanted)
             taken |= set(wanted)
     free: dict[str, list[list[str]]] = {}
+    on_host: dict[str, list[str]] = {host.name: [] for host in cluster.hosts}
+    for device in cluster.devices():
+        if device.ref not in taken:
+            on_host[device.host].append(device.ref)
     for host in cluster.hosts:
-        refs = [d.ref for d in cluster.devices() if d.host == host.name and d.ref not in taken]
-        free.setdefault(host.device_type, []).append(refs)
+        free.setdefault(host.device_type, []).append(on_host[host.name])
     for index in sorted(range(len(groups)), key=lambda i: -groups[i].size):
         if out[index] is not None:
             continue

@@ -97,7 +97,10 @@ class Sweep:
             selective_recompute=selective_recompute,
         )
         self.candidates = microbatch_counts(global_batch, microbatch_candidates)
-        self.max_stages = min(max_stages or 16, self.space.layers, len(model.cluster.devices()))
+        devices = model.cluster.devices()
+        self.max_stages = min(max_stages or 16, self.space.layers, len(devices))
+        # the type every block is costed as by the reference split (identical devices)
+        self.reference_type = devices[0].device_type
         self.stage_counts = (
             [S for S in stage_counts if S <= self.max_stages] if stage_counts else range(1, self.max_stages + 1)
         )
@@ -156,9 +159,8 @@ class Sweep:
 
     def reference_split(self, blocks: Blocks, M: int, *, tp: bool):
         """Balanced split with every block costed as the first listed type (identical devices)."""
-        reference = self.model.cluster.devices()[0].device_type
         options = [
-            [self.costs(g, M) for g in configs_for(self.space, reference, size, M, tensor_parallel=tp)]
+            [self.costs(g, M) for g in configs_for(self.space, self.reference_type, size, M, tensor_parallel=tp)]
             for _, size in blocks
         ]
 
