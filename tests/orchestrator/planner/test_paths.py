@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from orchestrator.bench._synthetic import random_instance
+from orchestrator.bench._synthetic import SyntheticCosts, SyntheticLayer, random_instance, synthetic_cluster
 from orchestrator.planner._evaluate import evaluate
 from orchestrator.planner._ilp import Run
 from orchestrator.planner._packing import PackingBound
@@ -324,3 +324,28 @@ def test_a_mips_plan_is_excluded_with_its_reorders_and_the_priced_bound_stays_ex
                 assert bound == pytest.approx(_best_of_exactly(space, M, 4, "1f1b"), rel=1e-6)
                 enumerated += 1
     assert checked >= 10 and reordered >= 2 and enumerated, (checked, reordered)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_no_row_holds_more_than_a_few_step_columns_however_many_stages(schedule):
+    """HiGHS's cut separation walks every row it aggregates, so the MIP of a deep pipeline spends its
+    root in rows that each read O(S) step columns (C_p, F_p, E_p, Q_p, Z, W and the partial sums).
+    The sums over the positions ahead and behind are columns of their own, so every row reads at
+    most 8 of them, at 3 stages as at 12."""
+    import highspy
+    from scipy.sparse import csc_matrix, csr_matrix
+
+    from orchestrator.planner._paths import _PositionsLP
+
+    block = SyntheticLayer(4e12, 1e9, 0.2e9, 0.05e9)
+    model = SyntheticCosts([block] * 14, synthetic_cluster({"a": (20.0, 40.0), "b": (10.0, 32.0)}, per_host=8))
+    columns = _columns(search_space(model, BATCH, recompute=True), 4, schedule)
+    widest = {}
+    for S in (3, 12):
+        lp = _PositionsLP(columns, S, cutoff_ms=math.inf)
+        assert not lp.empty
+        a, shape = lp.highs.getLp().a_matrix_, (lp.highs.getNumRow(), lp.highs.getNumCol())
+        kind = csr_matrix if a.format_ == highspy.MatrixFormat.kRowwise else csc_matrix
+        step = kind((a.value_, a.index_, a.start_), shape=shape).tocsr()[:, len(lp.position) :]  # (x come first)
+        widest[S] = int(np.diff(step.indptr).max())
+    assert widest[3] <= 8 and widest[12] <= 8, widest
