@@ -99,8 +99,8 @@ class Sweep:
         self.candidates = microbatch_counts(global_batch, microbatch_candidates)
         devices = model.cluster.devices()
         self.max_stages = min(max_stages or 16, self.space.layers, len(devices))
-        # the type every block is costed as by the reference split (identical devices)
-        self.reference_type = devices[0].device_type
+        # the type every block is costed as by the reference split (identical devices; none in service: none)
+        self.reference_type = devices[0].device_type if devices else None
         self.stage_counts = (
             [S for S in stage_counts if S <= self.max_stages] if stage_counts else range(1, self.max_stages + 1)
         )
