@@ -603,9 +603,9 @@ class _PositionsLP:
             """weight·Σ_{q>p} Q_q: the boundaries sent from beyond p."""
             return {Q_up + p: weight}
 
-        def every_C(p: int, weight: float = 1.0) -> dict[int, float]:
-            """weight·Σ_q C_q, read at p."""
-            return {C_down + p: weight, C + p: weight, C_up + p: weight}
+        def every_C(p: int) -> dict[int, float]:
+            """Σ_q C_q, read at p."""
+            return {C_down + p: 1.0, C + p: 1.0, C_up + p: 1.0}
 
         def step_row(weights: dict[int, float], extra: np.ndarray | None = None, *, above: int = Z) -> None:
             """``above`` (Z) ≥ Σ weight·column + Σ extra·x."""
