@@ -108,7 +108,7 @@ class PublishedRun:
 
     def unsupported(self) -> str | None:
         """Why the GPT recipe (or its Llama architecture) cannot express this run, or None."""
-        m, p = self.model, self.parallel
+        m = self.model
         # a field the source leaves unpublished (null) is taken as the architecture's
         llama = m["mlp"] == "swiglu"
         expected = (
@@ -119,16 +119,6 @@ class PublishedRun:
             reasons.append(f"grouped-query attention ({m['kv_heads']} of {m['heads']} heads) with mlp {m['mlp']}")
         if not llama and m["ffn_hidden"] != 4 * m["hidden"]:
             reasons.append(f"ffn {m['ffn_hidden']} ≠ 4·hidden")
-        if (p.get("cp") or 1) > 1:
-            # fixed(cp=) prices it: each rank's attention FLOPs are the closed form's (its T/n queries
-            # against all T keys, the causal tiles), but at the fitted matmul efficiency, 96% of the
-            # H100's peak where its fused attention kernels reach about 57%, and the run's measured time
-            # takes the PaLM count's unmasked attention; at 131,072 tokens the row is priced at 46% of
-            # that time (docs/benchmarks.md)
-            reasons.append(
-                f"context parallelism {p['cp']}: its attention priced at the matmul efficiency, far faster than"
-                " the run's fused kernels"
-            )
         return "; ".join(reasons) or None
 
 
@@ -376,8 +366,9 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
 
     p = run.parallel
     M = run.global_batch // (p["dp"] * (p["microbatch_size"] or 1))
+    cp = p.get("cp") or 1
     group = GroupConfig(
-        device_type=run.gpu_type, size=p["tp"] * p["dp"], tp=p["tp"], recompute=p["recompute"] == "full"
+        device_type=run.gpu_type, size=p["tp"] * p["dp"] * cp, tp=p["tp"], recompute=p["recompute"] == "full", cp=cp
     )
     try:
         found = plan(
@@ -396,7 +387,7 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
     # with its own, and as its plain counterpart (v = 1)
     published = {
         "microbatches": M,
-        "stages": [(run.gpu_type, group.size, group.tp, group.recompute)] * p["pp"],
+        "stages": [(run.gpu_type, group.size, group.tp, group.recompute) + ((cp,) if cp > 1 else ())] * p["pp"],
         "options": [name for name, on in plan_options(run).items() if name != "max_stages" and on],
     }
     v = p.get("virtual_stages") or 1

@@ -33,11 +33,13 @@ computed whole, so of the T²/n pairs a device would compute unmasked, it runs t
 :func:`ring_tile_fraction` (the zigzag ring's tiles at 128 × 128 blocks, the kernels' default: just
 over ½, the same on every device; 1 unmasked). Per device:
 
-    forward   c_F = f·F/(P·e_matmul) + f·X/(P·e_transcendental) + (Q + K + V + O bytes)/(W·e_memory)
+    forward   c_F = f·F/(P·e_attention) + f·X/(P·e_transcendental) + (Q + K + V + O bytes)/(W·e_memory)
     backward  2.5·c_F (the kernels recompute the scores);    one block step c_f = c_F/n, c_b = 2.5·c_f
 
 with F and X the unmasked attention's matmul FLOPs and exponentials on the device's share, P its
-peak FLOP/s and W its memory bandwidth (:func:`blockwise_attention_s`). :func:`square_ops` finds
+peak FLOP/s and W its memory bandwidth (:func:`blockwise_attention_s`). e_attention is the fused
+attention kernels' efficiency (``Efficiency.attention``, matmul's where unmeasured), the one the
+cost model prices a fused attention kernel with elsewhere: the block steps are those kernels. :func:`square_ops` finds
 the captured ops this replaces (the T × T scores' forward and backward work and the mask built for
 them) and :func:`masked_by_position` whether the mask is causal; :func:`choose_context_parallel`
 prices a layer given by shapes and a device's FLOP/s.
@@ -282,11 +284,12 @@ def blockwise_attention_s(
 ) -> float:
     """Seconds of a blockwise (flash) attention forward that runs ``flops`` matmul FLOPs and
     ``exponentials`` exponentials on chip and moves ``io_bytes`` (Q, K, V and O) through memory once,
-    in ``dtype`` on ``device`` (the roofline terms of ``_roofline``, added)."""
+    in ``dtype`` on ``device`` (the roofline terms of ``_roofline``, added; its products at the fused
+    attention kernels' efficiency, ``efficiency.of("attention")``)."""
     peaks = device.peak_flops
     peak = peaks.get(dtype) or peaks.get("float32") or max(peaks.values())
     return (
-        flops / (peak * efficiency.matmul)
+        flops / (peak * efficiency.of("attention"))
         + exponentials / (peak * efficiency.transcendental)
         + io_bytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
     )
@@ -344,13 +347,7 @@ def square_ops(
     dP, the softmax's and the mask's backward, and the products of dS and P with Q, K and dO (an
     activation of the same size by chance, an MLP's B·T·4d where 4d = H·T, holds T once)."""
     ops = list(ops)
-    scores = [graph.op(name).outputs[0] for name in core.starts]
-    score_sizes = {spec.size for spec in scores}
-    lengths = {max((d for d in spec.shape if spec.shape.count(d) > 1), default=spec.shape[-1]) for spec in scores}
-
-    def square(spec) -> bool:
-        return spec.size in score_sizes and any(spec.shape.count(length) > 1 for length in lengths)
-
+    square = _score_shaped(graph, core)
     core_ops = set(core.ops)
     mask = set()
     for name in core_ops:
@@ -369,6 +366,30 @@ def square_ops(
         if (op := graph.op(name)).phase == "backward" and any(square(t) for t in (*op.inputs, *op.outputs))
     )
     return forward, backward
+
+
+def _score_shaped(graph: OpGraph, core: AttentionCore) -> Callable[[object], bool]:
+    """Whether a tensor spec has the size of ``core``'s scores (Q·Kᵀ's output) and holds their length
+    T twice (an activation of the same size by chance, an MLP's B·T·4d where 4d = H·T, holds T once)."""
+    scores = [graph.op(name).outputs[0] for name in core.starts]
+    score_sizes = {spec.size for spec in scores}
+    lengths = {max((d for d in spec.shape if spec.shape.count(d) > 1), default=spec.shape[-1]) for spec in scores}
+    return lambda spec: spec.size in score_sizes and any(spec.shape.count(length) > 1 for length in lengths)
+
+
+def unmaterialized_ops(
+    graph: OpGraph, ops: Iterable[str], core: AttentionCore, constant_ops: Collection[str]
+) -> frozenset[str]:
+    """Of :func:`square_ops`, those whose every output is score-shaped: the tensors a blockwise kernel
+    never writes to memory (the scores, their softmax and mask, dP and dS). Their outputs hold no
+    memory under context parallelism; the kernels' own buffers are the K/V blocks of
+    ``ContextParallelCost.extra_memory_bytes``, and what the backward reads of the forward (Q, K, V
+    and the output) stays kept as the layer's other values are."""
+    square = _score_shaped(graph, core)
+    forward, backward = square_ops(graph, ops, core, constant_ops)
+    return frozenset(
+        name for name in forward | backward if (outputs := graph.op(name).outputs) and all(square(t) for t in outputs)
+    )
 
 
 # the formulas of conductor.kernels.scan.scan_state_bytes and scan_carry_bytes, which the cost model

@@ -67,6 +67,7 @@ from orchestrator.costs._context import (
     ring_attention_work,
     scan_carry_cost,
     square_ops,
+    unmaterialized_ops,
 )
 from orchestrator.costs._gradients import batch_independent_ops, synced_gradient_bytes
 from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, liveness, traffic_bytes
@@ -511,18 +512,20 @@ class CostModel:
         return tuple(sorted(p for p in reads if p in self.graph.params))
 
     def _memory(
-        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False
+        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False, blockwise: bool = False
     ) -> tuple[float, float]:
-        return self._memory_of(self._representative(index), tp, microbatch, sp, selective)
+        return self._memory_of(self._representative(index), tp, microbatch, sp, selective, blockwise)
 
     def _memory_of(
-        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False
+        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False, blockwise: bool = False
     ) -> tuple[float, float]:
-        """(activation bytes kept per microbatch, transient bytes) from liveness."""
+        """(activation bytes kept per microbatch, transient bytes) from liveness; with ``blockwise``, the
+        attention's score-shaped tensors unwritten, as the context-parallel blockwise kernels run it
+        (``_context.unmaterialized_ops``)."""
         return self._memo(
             self._graph_memo,
-            ("memory", index, tp, microbatch, sp, selective),
-            lambda: self._compute_memory(index, tp, microbatch, sp, selective),
+            ("memory", index, tp, microbatch, sp, selective, blockwise),
+            lambda: self._compute_memory(index, tp, microbatch, sp, selective, blockwise),
         )
 
     def attention_core(self, index: int) -> AttentionCore:
@@ -557,13 +560,17 @@ class CostModel:
         return modelled * self._phase_time(index, device_type, phase, tp, microbatch) / forward
 
     def _compute_memory(
-        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False
+        self, index: int, tp: int, microbatch: float, sp: bool = False, selective: bool = False, blockwise: bool = False
     ) -> tuple[float, float]:
         ops = [n for n in self.layers[index].ops if self.graph.op(n).phase != "optimizer"]
+        core = self.attention_core(index)
+        unwritten = (
+            unmaterialized_ops(self.graph, ops, core, self._constant_ops) if blockwise and core.starts else frozenset()
+        )
         result = liveness(
             self.graph,
             ops,
-            scale=lambda n: self._scale(n, tp, microbatch, sp),
+            scale=lambda n: 0.0 if n in unwritten else self._scale(n, tp, microbatch, sp),
             allreduced=self.traits_for(tp).allreduce_ops if tp > 1 else frozenset(),
             # XLA:CPU's YNNPACK rule on CPU clusters; XLA:GPU's fusion rules on the others
             row_fusion_elements=YNN_MIN_ELEMENTS if self.cluster.shared_cores is not None else None,
@@ -656,7 +663,7 @@ class CostModel:
             if config.overlap_param_gather:
                 gather = max(0.0, gather - forward)
             dp_sync = coll.reduce_scatter_s(gradients, replicas, dp_link) + gather
-        kept, transient = self._memory(index, t, m, sp, selective)
+        kept, transient = self._memory(index, t, m, sp, selective, blockwise=ring is not None)
         if ring:
             transient += ring.chosen.extra_memory_bytes
         if carry:

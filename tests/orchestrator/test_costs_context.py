@@ -78,8 +78,8 @@ def test_a_step_exposes_only_the_send_its_block_does_not_hide():
 
 def test_each_device_does_the_work_of_m_over_n_samples(tiny):
     """Under CP n a layer's compute and activations are those of microbatch m/n on one device, its
-    attention's T × T work run by the ring's blockwise kernels instead; an attention layer adds the
-    ring's exposed communication and its K/V blocks' memory."""
+    attention's T × T work run by the ring's blockwise kernels instead, which write no scores; an
+    attention layer adds the ring's exposed communication and its K/V blocks' memory."""
     _, model = tiny
     whole = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=4))
     split = model.layer_cost(BLOCK, "a100", ParallelConfig(microbatch_size=8, context_parallel=2))
@@ -90,15 +90,68 @@ def test_each_device_does_the_work_of_m_over_n_samples(tiny):
     assert split.forward_s == pytest.approx(rest_f + split.breakdown["cp_attention_forward_s"])
     assert split.backward_s == pytest.approx(rest_b + split.breakdown["cp_attention_backward_s"])
     assert split.breakdown["cp_attention_backward_s"] == pytest.approx(2.5 * split.breakdown["cp_attention_forward_s"])
-    assert split.activation_bytes == pytest.approx(whole.activation_bytes)
+    kept, transient = model._memory(BLOCK, 1, 4, blockwise=True)  # m/n samples, no scores
+    assert split.activation_bytes == pytest.approx(kept) and kept < whole.activation_bytes
     assert split.output_activation_bytes == pytest.approx(whole.output_activation_bytes)
     assert split.param_bytes == whole.param_bytes
     assert split.cp_form in ("ring", "all_gather") and split.cp_comm_s > 0.0  # κ per step at least
-    extra = split.transient_bytes - whole.transient_bytes
+    extra = split.transient_bytes - transient
     kv = block_bytes(8, 64, 2, 4, 16, 4)  # microbatch 8, T = 64 over 2, 4 heads of 16, fp32
     assert extra == (2 * kv if split.cp_form == "ring" else kv)
     embedding = model.layer_cost(0, "a100", ParallelConfig(microbatch_size=8, context_parallel=2))
     assert embedding.cp_form is None and embedding.cp_comm_s == 0.0  # no attention: the tokens split, nothing moves
+
+
+def test_a_devices_memory_under_context_parallelism_follows_its_tokens_not_the_sequence():
+    """The blockwise kernels keep no T × T scores: a block's kept and transient bytes per device are
+    those of its T/n tokens, the same at (T, n) = (128, 4) and (256, 8); written out, the scores would
+    grow them with T."""
+    from recipes import GPTConfig, Recipe
+
+    def memory(T: int, n: int, blockwise: bool) -> tuple[float, float]:
+        config = GPTConfig(vocab_size=64, max_seq_len=T, num_layers=1, num_heads=4, d_model=64)
+        recipe = Recipe(name="cp-memory", config=config, batch_size=1, seq_len=T)
+        graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, T))
+        model = CostModel(graph, coarsen(graph), load_cluster("a100x8"), batch_size=1, param_axes=recipe.param_axes())
+        attention = next(i for i in range(len(model.layers)) if model.attention_core(i).starts)
+        cost = model.layer_cost(attention, "a100", ParallelConfig(microbatch_size=1, context_parallel=n))
+        assert cost.activation_bytes == model._memory(attention, 1, 1 / n, blockwise=True)[0]
+        return model._memory(attention, 1, 1 / n, blockwise=blockwise)
+
+    short, long = memory(128, 4, True), memory(256, 8, True)
+    assert long == pytest.approx(short, rel=1e-9)
+    written_short, written_long = memory(128, 4, False), memory(256, 8, False)
+    assert written_long[0] > 1.5 * written_short[0] and written_long[1] > 1.5 * written_short[1]
+
+
+def test_the_block_steps_run_at_the_fused_attention_efficiency(tiny):
+    """The ring's block steps are fused attention kernels: their products are priced at
+    ``Efficiency.attention`` (a fused kernel's, below a GEMM's on a GPU), not at ``matmul``; unmeasured,
+    attention reads as matmul."""
+    from orchestrator.costs import Efficiency
+
+    recipe, model = tiny
+    graph = model.graph
+    slow = CostModel(
+        graph, coarsen(graph), load_cluster("a100x8"), batch_size=8, param_axes=recipe.param_axes(),
+        efficiency={"a100": Efficiency(matmul=0.9, attention=0.45)},
+    )  # fmt: skip
+    fast = CostModel(
+        graph, coarsen(graph), load_cluster("a100x8"), batch_size=8, param_axes=recipe.param_axes(),
+        efficiency={"a100": Efficiency(matmul=0.9, attention=0.9)},
+    )  # fmt: skip
+    config = ParallelConfig(microbatch_size=8, context_parallel=2)
+    slow_s = slow.layer_cost(BLOCK, "a100", config).breakdown["cp_attention_forward_s"]
+    fast_s = fast.layer_cost(BLOCK, "a100", config).breakdown["cp_attention_forward_s"]
+    work = ring_attention_work(graph, model.attention_core(BLOCK), model._constant_ops, 64, 2, lambda name: 1 / 2)
+    peak = model.cluster.device_types["a100"].peak_flops[work["dtype"]]
+    products_s = work["flops"] / (peak * 0.9)  # half the batch's tiles: one of the 2 block steps, at 0.9
+    assert slow_s - fast_s == pytest.approx(products_s, rel=1e-9)  # twice as long at half the efficiency
+    device = model.cluster.device_types["a100"]
+    unmeasured = dict(work, device=device, efficiency=Efficiency(matmul=0.9))
+    assert blockwise_attention_s(**unmeasured) == pytest.approx(
+        blockwise_attention_s(**dict(unmeasured, efficiency=Efficiency(matmul=0.9, attention=0.9)))
+    )
 
 
 def test_the_ops_the_ring_replaces_are_the_attentions_alone(tiny):

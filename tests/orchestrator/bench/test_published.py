@@ -85,7 +85,21 @@ def _stand_in(run, blocks: int):
     return CostModel(graph, layers, run_cluster(run), batch_size=1, param_axes=axes)
 
 
-@pytest.mark.parametrize("run_id", [run.id for run in load_runs() if not run.unsupported()])
+def _membership_cases():
+    """Every priced run; one with context parallelism and tensor parallelism together is expected
+    outside the space: the planner offers context-parallel groups at tp = 1 only (their executor
+    does not combine the two, docs/planner.md, "Context parallelism")."""
+    for run in load_runs():
+        if run.unsupported():
+            continue
+        if (run.parallel.get("cp") or 1) > 1 and run.parallel["tp"] > 1:
+            reason = "context parallelism with tensor parallelism: outside the planner's space"
+            yield pytest.param(run.id, marks=pytest.mark.xfail(strict=True, reason=reason))
+        else:
+            yield run.id
+
+
+@pytest.mark.parametrize("run_id", list(_membership_cases()))
 def test_the_planners_space_contains_the_published_configuration(run_id):
     """Every priced run's configuration (DP 24, 15, 9 on whole hosts; M = 48, 144 and other counts
     that are not powers of two; PP up to 64) lies in the space ``bench published`` plans it in: the
@@ -117,7 +131,8 @@ def test_the_planners_space_contains_the_published_configuration(run_id):
     depth = run.model["layers"] + 2
     max_stages = min(options["max_stages"], depth, len(model.cluster.devices()))  # as plan() limits it
     covered = space.coverage(microbatch_counts(run.global_batch), max_stages)
-    stage = (run.gpu_type, p["tp"] * p["dp"], p["tp"], p["recompute"] == "full")
+    cp = p.get("cp") or 1
+    stage = (run.gpu_type, p["tp"] * p["dp"] * cp, p["tp"], p["recompute"] == "full") + ((cp,) if cp > 1 else ())
     M = run.global_batch // (p["dp"] * (p["microbatch_size"] or 1))
     stated = {
         "zero": bool(p["zero"] or p["fsdp"]),
