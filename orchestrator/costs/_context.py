@@ -253,30 +253,27 @@ def ring_tile_fraction(
     """Of the T²/n (query, key) pairs a device of a zigzag ring over ``n`` computes unmasked, the share
     its kernels run: the tiles (``block_q`` × ``block_k``) of each (query chunk, key chunk) pair that a
     causal mask keeps whole (key chunk before the query chunk) or in part (the same chunk: the tiles
-    on and below the diagonal), on the busiest device (zigzag makes them equal). 1 without a mask.
+    on and below the diagonal). 1 without a mask.
 
-    The count of ``conductor.kernels.ring.attention_flops_per_device``, which the cost model may not
-    import; a test holds the two equal.
+    Device r holds chunks r and 2n − 1 − r of the 2n, which have r and 2n − 1 − r chunks before them:
+    every device runs 2n − 1 chunk pairs whole and two diagonal ones, so the count is the same on
+    every device and takes O(chunk / block) steps however many devices there are.
+
+    The count of ``conductor.kernels.ring.attention_flops_per_device`` (the busiest device's), which
+    the cost model may not import; a test holds the two equal.
 
     Example:
         >>> round(ring_tile_fraction(131072, 16, causal=True), 4)
         0.5005
     """
-    length = seq_len // (2 * n)  # the zigzag chunk: device r holds chunks r and 2n − 1 − r
+    length = seq_len // (2 * n)  # the zigzag chunk
     if not causal or length == 0:
         return 1.0
     bq, bk = min(block_q, length), min(block_k, length)
     full = (length // bq) * (length // bk)
     diagonal = sum(min(((i + 1) * bq + bk - 1) // bk, length // bk) for i in range(length // bq))
-
-    def chunk(device: int, local: int) -> int:
-        return 2 * n - 1 - device if local else device
-
-    def tiles(me: int) -> int:
-        pairs = ((chunk(me, a), chunk(src, b)) for src in range(n) for a in (0, 1) for b in (0, 1))
-        return sum(full if k < q else diagonal if k == q else 0 for q, k in pairs)
-
-    return max(tiles(me) for me in range(n)) * bq * bk / (2 * n * length) ** 2 * n
+    tiles = (2 * n - 1) * full + 2 * diagonal
+    return tiles * bq * bk / (2 * n * length) ** 2 * n
 
 
 def blockwise_attention_s(
