@@ -103,13 +103,14 @@ def type_infos(cluster: Cluster, *, memory_headroom: float = MEMORY_HEADROOM) ->
     """What the planner needs of each device type in service; each device's memory less ``memory_headroom``."""
     infos = {}
     devices = cluster.devices()
+    first_in_host = _first_in_each_host(devices)
     for name, dtype in cluster.device_types.items():
         mine = [d for d in devices if d.device_type == name]
         if not mine:
             continue
         hosts = [h for h in cluster.hosts if h.device_type == name]
         per_host = min(h.count for h in hosts)
-        firsts = [next(d for d in mine if d.host == h.name) for h in hosts if any(d.host == h.name for d in mine)]
+        firsts = [first_in_host[h.name] for h in hosts if h.name in first_in_host]
         inter = cluster.slowest_link(firsts) if len(firsts) > 1 else hosts[0].intra_link
         infos[name] = TypeInfo(
             name=name,
@@ -121,6 +122,14 @@ def type_infos(cluster: Cluster, *, memory_headroom: float = MEMORY_HEADROOM) ->
             inter_link=inter,
         )
     return infos
+
+
+def _first_in_each_host(devices) -> dict:
+    """Each host's first device in service among ``devices``, by host name, in host order."""
+    firsts: dict = {}
+    for device in devices:
+        firsts.setdefault(device.host, device)
+    return firsts
 
 
 def group_configs(
@@ -260,10 +269,8 @@ def pair_links(cluster: Cluster, infos: dict[str, TypeInfo]) -> dict[tuple[str, 
     link between a host of t and a host of t2. Pessimistic, so a plan never relies on the
     allocation landing on a better pair."""
     firsts: dict[str, list] = {}
-    for device in cluster.devices():
-        hosts = firsts.setdefault(device.device_type, [])
-        if not any(d.host == device.host for d in hosts):
-            hosts.append(device)
+    for device in _first_in_each_host(cluster.devices()).values():
+        firsts.setdefault(device.device_type, []).append(device)
     links = {}
     for t in infos:
         for t2 in infos:
