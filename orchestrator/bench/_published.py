@@ -397,5 +397,7 @@ def _planned(run: PublishedRun, model, time_limit_s: float) -> dict:
         "space_contains_published": found.space is not None and found.space.contains(**published, virtual_stages=v),
         "space_contains_published_plain": found.space is not None and found.space.contains(**published),
         "planned": f"{len(stages)} stages, TP {'/'.join(str(s.tp) for s in stages)}, "
-        f"DP {'/'.join(str(s.dp) for s in stages)}, M {found.microbatches}, v {found.virtual_stages}",
+        f"DP {'/'.join(str(s.dp) for s in stages)}, "
+        + (f"CP {'/'.join(str(s.cp) for s in stages)}, " if any(s.cp > 1 for s in stages) else "")
+        + f"M {found.microbatches}, v {found.virtual_stages}",
     }
