@@ -3,7 +3,9 @@
 Each sequence of the batch is stored in the zigzag layout (``conductor.kernels.ring.to_layout``:
 2n chunks, device r holding chunks r and 2n−1−r, which balances a causal mask) and sharded over
 the mesh axis ``"context"``, whose device order is the ring order; the batch is split over
-``"data"`` as usual and the state is replicated over both. Everything that works token by token —
+``"data"`` as usual, and the heads over ``"model"`` under tensor parallelism: the state is placed
+as :mod:`integrations.flax._shard` places a tensor-parallel stage's (Megatron's column/row split
+over ``"model"``), replicated over ``"data"`` and ``"context"``. Everything that works token by token —
 embeddings, norms, MLPs, the residual stream, the loss (a mean over tokens, which no permutation
 changes) — runs on the permuted sequence unchanged, XLA's SPMD partitioner splitting it along the
 sequence. Two things read the order, and both are intercepted (``flax.linen.intercept_methods``)
@@ -17,8 +19,9 @@ while the step is traced:
     core attention   a module method ``core_attention(q, k, v)``, causal softmax(QKᵀ/√d) V over
                      (batch, seq, heads, head_dim) arrays (``recipes.gpt.CausalSelfAttention`` has
                      one), runs as ring or all-gather attention (``conductor.kernels.ring``) under
-                     ``jax.shard_map`` over the two axes, K/V blocks passed around the ring while
-                     each block computes.
+                     ``jax.shard_map`` over the three axes (each device its samples, its tokens and,
+                     under tensor parallelism, its heads: attention is head by head), K/V blocks
+                     passed around the ring while each block computes.
 
 A model with a selective scan (``recipes.mamba.Mixer``) keeps each sequence contiguous instead: the
 scan's recurrence runs in token order, and a scan has no causal imbalance to even out. Its method
@@ -56,42 +59,59 @@ from conductor.kernels import AttentionBlockSizes
 from conductor.kernels.ring import Form, Layout, layout_positions, ring_attention, to_layout
 from conductor.kernels.scan import ScanBlockSizes, sequence_sharded_scan
 from orchestrator.cluster import ring_order
+from orchestrator.costs import MODEL_AXIS
 
-DATA, CONTEXT = "data", "context"
+DATA, CONTEXT, MODEL = "data", "context", MODEL_AXIS
 CORE_ATTENTION, POSITIONS, CORE_SCAN = "core_attention", "positions", "core_scan"
 
 
-def context_mesh(devices: Sequence, *, context_parallel: int) -> Mesh:
-    """The ``("data", "context")`` mesh of ``devices``, replica-major: replica r is
-    ``devices[r·n:(r+1)·n]``, in that order around its ring (give them in ring order:
-    ``orchestrator.cluster.ring_order``)."""
-    n = context_parallel
-    if n < 1 or len(devices) % n:
-        raise ValueError(f"{len(devices)} devices do not split into context-parallel rings of {n}")
-    return Mesh(np.array(devices, dtype=object).reshape(len(devices) // n, n), (DATA, CONTEXT))
+def context_mesh(devices: Sequence, *, context_parallel: int, tensor_parallel: int = 1) -> Mesh:
+    """The ``("data", "context", "model")`` mesh of ``devices``, replica-major: replica r is
+    ``devices[r·n·t:(r+1)·n·t]`` (n = ``context_parallel``, t = ``tensor_parallel``), its ring
+    position i the t devices ``i·t:(i+1)·t`` of it, the tensor-parallel ranks innermost (give each
+    replica's positions in ring order: ``orchestrator.cluster.ring_order``)."""
+    n, t = context_parallel, tensor_parallel
+    if n < 1 or t < 1 or len(devices) % (n * t):
+        how = f"rings of {n}" + (f" × tensor-parallel groups of {t}" if t > 1 else "")
+        raise ValueError(f"{len(devices)} devices do not split into context-parallel {how}")
+    grid = np.array(devices, dtype=object).reshape(len(devices) // (n * t), n, t)
+    return Mesh(grid, (DATA, CONTEXT, MODEL))
 
 
 def stage_context_mesh(stage, devices: Mapping[str, jax.Device], cluster=None) -> Mesh:
-    """The :func:`context_mesh` of a plan's single-device-type stage with ``stage.cp`` > 1 and no
-    tensor parallelism: its devices (refs looked up in ``devices``, ``device_map``), each replica's
-    ring in ring order on ``cluster`` (``orchestrator.cluster.ring_order``) when given.
-
-    Raises:
-      ValueError: the stage uses tensor parallelism with context parallelism, which this step does not run.
-    """
-    if stage.tp != 1:
-        raise ValueError(f"a stage with tp={stage.tp} and cp={stage.cp}: context parallelism runs without TP here")
-    refs = list(stage.devices)
+    """The :func:`context_mesh` of a plan's single-device-type stage with ``stage.cp`` > 1: its
+    devices (refs looked up in ``devices``, ``device_map``), each replica's ring positions (its
+    runs of ``stage.tp`` devices) in ring order on ``cluster`` (``orchestrator.cluster.ring_order``
+    of each position's first device) when given."""
+    refs, t, n = list(stage.devices), stage.tp, stage.cp
     if cluster is not None:
         by_ref = {d.ref: d for d in cluster.all_devices()}
-        replicas = [refs[r * stage.cp : (r + 1) * stage.cp] for r in range(len(refs) // stage.cp)]
-        refs = [d.ref for replica in replicas for d in ring_order(cluster, [by_ref[ref] for ref in replica])]
-    return context_mesh([devices[ref] for ref in refs], context_parallel=stage.cp)
+        ordered = []
+        for r in range(len(refs) // (n * t)):
+            positions = [refs[(r * n + i) * t : (r * n + i + 1) * t] for i in range(n)]
+            by_first = {position[0]: position for position in positions}
+            ring = ring_order(cluster, [by_ref[position[0]] for position in positions])
+            ordered += [ref for device in ring for ref in by_first[device.ref]]
+        refs = ordered
+    return context_mesh([devices[ref] for ref in refs], context_parallel=n, tensor_parallel=t)
+
+
+def place_state(plan, state, *, param_axes=None, cluster=None, zero: bool = False, axis_rules=None):
+    """``state`` as ``integrations.flax.shard`` places it for a one-stage context-parallel plan: on
+    the stage's :func:`stage_context_mesh`, each parameter split over ``"model"`` as tensor
+    parallelism splits it (``param_axes``, ``axis_rules``; optimizer moments over ``"data"`` too
+    with ``zero``), replicated over ``"data"`` and ``"context"`` (a copy: the step donates it)."""
+    from integrations.flax._shard import device_map, state_shardings
+
+    mesh = stage_context_mesh(plan.stages[0], device_map(cluster), cluster)
+    shardings = state_shardings(plan, state, param_axes=param_axes, zero=zero, axis_rules=axis_rules, meshes=[mesh])
+    placed = jax.device_put(state, shardings, may_alias=False)
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, placed)
 
 
 def replicate(state, mesh: Mesh):
-    """``state`` placed whole on every device of ``mesh`` (the context ranks hold the same parameters)."""
-    # a copy: the step donates its state, and a placement may alias the caller's buffers
+    """``state`` placed whole on every device of ``mesh`` (a copy: the step donates its state, and
+    a placement may alias the caller's buffers)."""
     return jax.device_put(jax.tree.map(jnp.copy, state), NamedSharding(mesh, P()))
 
 
@@ -119,6 +139,7 @@ def context_parallel_step(
     causal: bool = True,
     block_sizes: AttentionBlockSizes | None = None,
     scan_block_sizes: ScanBlockSizes | None = None,
+    state_shardings=None,
 ) -> Callable:
     """``train_step`` jitted to run on sequences split over ``mesh``'s ``"context"`` axis.
 
@@ -133,11 +154,12 @@ def context_parallel_step(
       scan_block_sizes: the sequence-sharded scan's chunk (divides each device's slice; default:
         the kernel's own, capped at the slice). A model with a ``core_scan`` needs ``layout="contiguous"``
         (:func:`model_layout`).
+      state_shardings: the state's shardings, kept by the step (default: as XLA propagates them).
     Returns:
-      ``step(state, batch) -> (state, metrics)`` for a :func:`replicate`-d state and a
-      :func:`context_batch`-placed batch.
+      ``step(state, batch) -> (state, metrics)`` for a state placed on ``mesh`` (:func:`replicate`,
+      or :func:`place_state` under tensor parallelism) and a :func:`context_batch`-placed batch.
     """
-    n = mesh.shape[CONTEXT]
+    n, t = mesh.shape[CONTEXT], mesh.shape[MODEL]
 
     def interceptor(next_fun, args, kwargs, context):
         if isinstance(context.module, nn.Embed) and context.method_name == "__call__" and jnp.ndim(args[0]) == 1:
@@ -147,6 +169,7 @@ def context_parallel_step(
             return jnp.asarray(layout_positions(args[0], n, layout))
         if context.method_name == CORE_ATTENTION:
             q, k, v = args
+            heads = MODEL if t > 1 and q.shape[2] % t == 0 and k.shape[2] % t == 0 else None
             return ring_attention(
                 q,
                 k,
@@ -154,6 +177,7 @@ def context_parallel_step(
                 mesh=mesh,
                 axis_name=CONTEXT,
                 batch_axis=DATA,
+                head_axis=heads,
                 causal=causal,
                 layout=layout,
                 form=form,
@@ -171,7 +195,9 @@ def context_parallel_step(
         with nn.intercept_methods(interceptor):
             return train_step(state, batch)
 
-    return jax.jit(step, donate_argnums=(0,))
+    if state_shardings is None:
+        return jax.jit(step, donate_argnums=(0,))
+    return jax.jit(step, out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
 
 
 def model_layout(train_step: Callable, state, batch) -> Layout:
@@ -188,52 +214,68 @@ def model_layout(train_step: Callable, state, batch) -> Layout:
     return "contiguous" if CORE_SCAN in methods else "zigzag"
 
 
-def place_state(plan, state, *, cluster=None):
-    """``state`` as ``integrations.flax.shard`` places it for a one-stage context-parallel plan:
-    replicated over the stage's devices (a copy: the step donates it)."""
-    from integrations.flax._shard import device_map
-
-    return replicate(state, stage_context_mesh(plan.stages[0], device_map(cluster), cluster))
-
-
 class ContextParallelStep:
     """``step(state, batch) -> (state, metrics)`` for a plan whose one stage splits sequences (``cp`` > 1).
 
     Takes batches in natural order (it permutes them into the layout) and a state placed by
-    :meth:`place` (replicated over the stage's devices).
+    :meth:`place` (or ``integrations.flax.shard``): split over ``"model"`` as tensor parallelism
+    splits it, replicated over ``"data"`` and ``"context"``.
 
     Args:
-      plan: a one-stage plan with ``cp`` > 1 and ``tp`` = 1.
+      plan: a one-stage plan with ``cp`` > 1.
       train_step: as for :func:`context_parallel_step`.
       cluster: the cluster the plan was made for (device refs, ring order); None: the local devices.
       form: ``"ring"`` or ``"all_gather"``; None: the plan's (``Stage.cp_form``, the cost model's
         choice), else the ring.
+      param_axes, axis_rules, zero: as for ``integrations.flax.shard`` (tensor parallelism, ZeRO-1).
     Raises:
-      ValueError: a plan of several stages, or a stage without context parallelism, with TP or with FSDP.
+      ValueError: a plan of several stages, or a stage without context parallelism or with FSDP.
     """
 
-    def __init__(self, plan, train_step: Callable, *, cluster=None, form: Form | None = None):
+    def __init__(
+        self,
+        plan,
+        train_step: Callable,
+        *,
+        cluster=None,
+        form: Form | None = None,
+        param_axes=None,
+        axis_rules=None,
+        zero: bool = False,
+    ):
         from integrations.flax._shard import device_map
 
         if len(plan.stages) != 1 or plan.stages[0].cp < 2:
             raise ValueError("the context-parallel step runs a plan of one stage with cp > 1")
         if plan.stages[0].fsdp:
             raise ValueError("the context-parallel step keeps the parameters whole: plan it without fsdp")
-        self.plan, self.train_step = plan, train_step
+        self.plan, self.train_step, self.cluster = plan, train_step, cluster
+        self.param_axes, self.axis_rules, self.zero = param_axes, axis_rules, zero
         self.mesh = stage_context_mesh(plan.stages[0], device_map(cluster), cluster)
         self.form = form or plan.stages[0].cp_form or "ring"
         self.layout: Layout | None = None  # the model's (:func:`model_layout`), read at the first batch
         self.fn: Callable | None = None
 
     def place(self, state):
-        """``state`` replicated over the stage's devices (a copy: the step donates it)."""
-        return replicate(state, self.mesh)
+        """``state`` placed on the stage's mesh (:func:`place_state`; a copy: the step donates it)."""
+        return place_state(
+            self.plan,
+            state,
+            param_axes=self.param_axes,
+            cluster=self.cluster,
+            zero=self.zero,
+            axis_rules=self.axis_rules,
+        )
 
     def compile_for(self, state, batch) -> Callable:
-        """The jitted step for batches like ``batch`` (natural order), built once: the layout follows the model."""
+        """The jitted step for batches like ``batch`` (natural order), built once: the layout follows
+        the model, and the step keeps ``state``'s shardings."""
         if self.fn is None:
             self.layout = model_layout(self.train_step, state, batch)
-            self.fn = context_parallel_step(self.train_step, self.mesh, form=self.form, layout=self.layout)
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            self.fn = context_parallel_step(
+                self.train_step, self.mesh, form=self.form, layout=self.layout, state_shardings=shardings
+            )
         return self.fn
 
     def __call__(self, state, batch):

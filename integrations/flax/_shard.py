@@ -1,7 +1,8 @@
 """Place a TrainState on the devices a :class:`~orchestrator.planner.Plan` names.
 
 Every stage gets a 2-D mesh ``("data", "model")`` of shape ``(dp, tp)`` over
-its devices. A parameter is placed on the mesh of the stage that owns it (the
+its devices (a context-parallel stage a 3-D one, ``("data", "context", "model")``, over which
+the state is replicated along ``"context"``: :mod:`integrations.flax._context`). A parameter is placed on the mesh of the stage that owns it (the
 stage holding the layer that first reads it, ``Layer.params``); its
 ``PartitionSpec`` comes from its logical axis names and the logical axis rules
 (``axis_rules=``, :data:`orchestrator.costs.DEFAULT_LOGICAL_AXIS_RULES` by default):
@@ -190,6 +191,7 @@ def state_shardings(
     cluster=None,
     zero: bool = False,
     axis_rules: LogicalAxisRules | None = None,
+    meshes: Sequence[Mesh] | None = None,
 ):
     """A pytree of ``NamedSharding`` mirroring ``state`` (see module docstring).
 
@@ -201,12 +203,15 @@ def state_shardings(
       cluster: resolves device refs (:func:`device_map`).
       zero: shard optimizer moments over ``"data"`` too (a stage whose plan says ``zero`` does anyway).
       axis_rules: ``(logical axis name, mesh axis or None)`` pairs; the cost model's default if not given.
+      meshes: each stage's mesh (default: :func:`stage_mesh`; a context-parallel stage's has a
+        ``"context"`` axis too, over which the state is replicated).
 
     Raises:
       ValueError: a multi-stage plan without ``owners``, or a parameter no stage owns.
     """
-    devices = device_map(cluster)
-    meshes = [stage_mesh(s, devices) for s in plan.stages]
+    if meshes is None:
+        devices = device_map(cluster)
+        meshes = [stage_mesh(s, devices) for s in plan.stages]
     if len(plan.stages) > 1 and owners is None:
         raise ValueError("a multi-stage plan needs owners= (parameter path → stage; see param_owners)")
     param_axes = param_axes or {}
@@ -274,10 +279,10 @@ def shard(
     Example:
       >>> sharded = shard(plan, state, param_axes=recipe.param_axes())  # doctest: +SKIP
     """
-    if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: replicated over the stage (_context)
+    if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: replicated over "context" (_context)
         from integrations.flax._context import place_state
 
-        return place_state(plan, state, cluster=cluster)
+        return place_state(plan, state, param_axes=param_axes, cluster=cluster, zero=zero, axis_rules=axis_rules)
     owners = param_owners(plan, layers) if layers is not None else None
     shardings = state_shardings(
         plan, state, param_axes=param_axes, owners=owners, cluster=cluster, zero=zero, axis_rules=axis_rules

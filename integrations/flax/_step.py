@@ -125,7 +125,9 @@ def compile_step(
     if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: ring attention (_context)
         from integrations.flax._context import ContextParallelStep
 
-        return ContextParallelStep(plan, train_step, cluster=cluster)
+        return ContextParallelStep(
+            plan, train_step, cluster=cluster, param_axes=param_axes, axis_rules=axis_rules, zero=zero
+        )
     if len(plan.stages) > 1:
         from integrations.flax._pipeline import Pipeline
 

@@ -61,6 +61,7 @@ from orchestrator.coarsen import LayerGraph
 from orchestrator.costs import _collectives as coll
 from orchestrator.costs._context import (
     BACKWARD_RATIO,
+    ContextParallelChoice,
     Form,
     blockwise_attention_s,
     context_parallel_cost,
@@ -616,7 +617,7 @@ class CostModel:
         )
         optimizer += weights
         fixed = self._fixed_time(index, device_type, "forward") + self._fixed_time(index, device_type, "backward")
-        ring = self._context_parallel(index, device_type, t, m, cp, cp_link or self.default_link(device_type))
+        ring = self.context_parallel_choice(index, device_type, config, cp_link)
         if ring:  # the ring's blockwise kernels run the attention's T × T work (``_context``)
             square_f, square_b = self._square_ops(index)
             forward += ring.chosen.compute_forward_s - self._core_time(index, device_type, t, m, square_f)
@@ -786,12 +787,21 @@ class CostModel:
             elements += operand.size // share
         return nbytes, elements
 
-    def _context_parallel(self, index: int, device_type: str, tp: int, samples: float, cp: int, link: Link):
-        """The ring-or-gather price of layer ``index``'s attention over ``cp`` devices, each holding
-        ``samples`` samples' worth of tokens, its block steps run by the blockwise kernels; None
-        without context parallelism or attention."""
+    def context_parallel_choice(
+        self, index: int, device_type: str, config: ParallelConfig, link: Link | None = None
+    ) -> ContextParallelChoice | None:
+        """Both forms' prices (ring and all-gather) for layer ``index``'s attention under ``config``'s
+        context parallelism, and the one :meth:`layer_cost` takes; None without context parallelism
+        or attention. ``link``: between ring neighbours (the type's intra-host link by default)."""
+        cp = config.context_parallel
         if cp < 2 or not self.attention_core(index).starts:
             return None
+        link = link or self.default_link(device_type)
+        return self._context_parallel(index, device_type, config.tp, config.microbatch_size / cp, cp, link)
+
+    def _context_parallel(self, index: int, device_type: str, tp: int, samples: float, cp: int, link: Link):
+        """The ring-or-gather price of layer ``index``'s attention over ``cp`` devices, each holding
+        ``samples`` samples' worth of tokens, its block steps run by the blockwise kernels."""
         nbytes, elements = self.kv_bytes(index, tp)
         share = samples / self.batch_size  # of the captured batch and whole sequence, per device
         split = self.traits_for(tp).split_ops

@@ -176,24 +176,24 @@ def context_parallel_configs(
     device_types: set[str],
     global_batch: int | None = None,
     recompute: bool = True,
+    tensor_parallel: bool = True,
 ) -> list[GroupConfig]:
-    """Context-parallel groups on ``device_types``: each size of :func:`group_configs` with every
-    power of two cp ≥ 2 such that cp divides the size and 2·cp divides ``seq_len`` (the zigzag
-    layout cuts each sequence into 2·cp chunks), and the data-parallel degree size / cp divides
-    ``global_batch``. Without tensor parallelism: the executor's context-parallel step
-    (``integrations.flax``) does not combine the two, and a plan is what the executors run (the
-    cost model prices tp·cp groups all the same).
+    """Context-parallel groups on ``device_types``: each (size, tp) of :func:`group_configs` with
+    every power of two cp ≥ 2 such that tp·cp divides the size, 2·cp divides ``seq_len`` (the
+    zigzag layout cuts each sequence into 2·cp chunks) and the data-parallel degree
+    size / (tp·cp) divides ``global_batch``; tp > 1 only with ``tensor_parallel``. A replica's
+    tp·cp devices are cp ring positions of tp tensor-parallel ranks each (Llama 3's TP 8 × CP 16).
 
     Example:
       >>> from orchestrator.cluster import load_cluster
       >>> infos = type_infos(load_cluster("a100x8"))
       >>> groups = context_parallel_configs(infos, seq_len=64, device_types={"a100"}, global_batch=1, recompute=False)
       >>> sorted((g.size, g.tp, g.cp) for g in groups)
-      [(2, 1, 2), (4, 1, 4), (8, 1, 8)]
+      [(2, 1, 2), (4, 1, 4), (4, 2, 2), (8, 1, 8), (8, 2, 4), (8, 4, 2)]
     """
     mine = {name: info for name, info in infos.items() if name in device_types}
     configs = []
-    for group in group_configs(mine, recompute=recompute, tensor_parallel=False):
+    for group in group_configs(mine, recompute=recompute, tensor_parallel=tensor_parallel):
         cp = 2
         while group.tp * cp <= group.size:
             dp, rest = divmod(group.size, group.tp * cp)

@@ -116,7 +116,12 @@ def search_space(
     if (length := context_length()) is not None:
         needed = table.needs_context_parallel(groups)
         groups += context_parallel_configs(
-            infos, seq_len=length, device_types=needed, global_batch=global_batch, recompute=recompute
+            infos,
+            seq_len=length,
+            device_types=needed,
+            global_batch=global_batch,
+            recompute=recompute,
+            tensor_parallel=model.tensor_parallel,
         )
     return SearchSpace(
         infos=infos,

@@ -16,8 +16,8 @@ from integrations.flax._context import (
     context_mesh,
     context_parallel_step,
     replicate,
-    stage_context_mesh,
 )
+from integrations.flax._xla import hlo_collective_bytes
 from orchestrator.cluster import load_cluster
 from orchestrator.coarsen import coarsen
 from orchestrator.costs import CostModel, ParallelConfig
@@ -69,7 +69,7 @@ def test_the_plan_trains_with_the_sequence_split_as_one_device_does(planned):
     cluster = load_cluster(CLUSTER)
     state = shard(found, RECIPE.initial_state(0), cluster=cluster)
     step = compile_step(found, RECIPE.train_step, state, cluster=cluster)
-    assert dict(step.mesh.shape) == {"data": stage.dp, "context": stage.cp}
+    assert dict(step.mesh.shape) == {"data": stage.dp, "context": stage.cp, "model": 1}
     batches = [RECIPE.batch_for_step(0, i) for i in range(STEPS)]
 
     reference, alone = [], RECIPE.initial_state(0)
@@ -120,9 +120,69 @@ def test_what_the_context_parallel_step_does_not_run_is_refused(planned):
     sharded = dataclasses.replace(found, stages=(dataclasses.replace(found.stages[0], fsdp=True),))
     with pytest.raises(ValueError, match="plan it without fsdp"):
         ContextParallelStep(sharded, RECIPE.train_step)
-    with_tp = dataclasses.replace(found.stages[0], tp=2, dp=1)
-    with pytest.raises(ValueError, match="context parallelism runs without TP here"):
-        stage_context_mesh(with_tp, {})
+    with pytest.raises(ValueError, match="rings of 2 × tensor-parallel groups of 3"):
+        context_mesh(jax.devices()[:8], context_parallel=2, tensor_parallel=3)
+
+
+def _model_axis_all_reduce_bytes(hlo: str, mesh_shape: tuple[int, int, int]) -> int:
+    """Operand bytes of the all-reduces over the ``"model"`` axis alone (the innermost of the
+    ``(data, context, model)`` mesh) in a compiled program: replica groups of consecutive devices
+    (``[G,t]<=[N]``) or the mesh's last axis (``mesh['axis_0'=dp,'axis_1'=cp,'axis_2'=t] {'axis_2'}``)."""
+    dp, cp, t = mesh_shape
+    consecutive = f"replica_groups=[{dp * cp},{t}]<=[{dp * cp * t}],"
+    last = f"replica_groups=mesh['axis_0'={dp},'axis_1'={cp},'axis_2'={t}] {{'axis_2'}}"
+
+    def other_all_reduce(line: str) -> bool:
+        reduces = " all-reduce(" in line or " all-reduce-start(" in line
+        return reduces and consecutive not in line and last not in line
+
+    # the operands' shapes are defined on other lines: drop only the other all-reduces
+    kept = "\n".join(line for line in hlo.splitlines() if not other_all_reduce(line))
+    return hlo_collective_bytes(kept)["all-reduce"]
+
+
+@pytest.mark.parametrize("form", ["ring", "all_gather"])
+def test_tensor_parallelism_splits_the_heads_inside_the_ring(planned, form):
+    """TP 2 × CP 2 × DP 2 on the 8 devices: the parameters are split over "model" as a TP stage's
+    are, each device runs ring (or all-gather) attention over its own heads, and 5 steps give one
+    device's losses. The compiled step sends the bytes priced for the form (each collective's
+    bytes on the wire: a ring's permutes whole, at n = 2 no loop the count would miss; an
+    all-gather's operand (n − 1) times; a reduce-scatter's (n − 1)/n of its operand) and
+    all-reduces the priced tensor-parallel bytes over "model", both within 1%."""
+    model, found = planned
+    stage = dataclasses.replace(found.stages[0], tp=2, cp=2, dp=2, microbatch_size=1, cp_form=form)
+    tp_cp = dataclasses.replace(found, stages=(stage,))
+    cluster, axes = load_cluster(CLUSTER), RECIPE.param_axes()
+    state = shard(tp_cp, RECIPE.initial_state(0), param_axes=axes, cluster=cluster)
+    kernel = state.params["blocks_0"]["mlp"]["c_fc"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    step = compile_step(tp_cp, RECIPE.train_step, state, param_axes=axes, cluster=cluster)
+    assert dict(step.mesh.shape) == {"data": 2, "context": 2, "model": 2}
+    batches = [RECIPE.batch_for_step(0, i) for i in range(STEPS)]
+
+    hlo = step.compile_for(state, batches[0]).lower(state, context_batch(batches[0], step.mesh)).compile().as_text()
+    measured = hlo_collective_bytes(hlo)
+    priced = CostModel(model.graph, model.layers, model.cluster, batch_size=RECIPE.batch_size, param_axes=axes)
+    config = ParallelConfig(tp=2, dp=2, context_parallel=2, microbatch_size=1)
+    choices = [priced.context_parallel_choice(i, "small", config) for i in range(len(priced.layers))]
+    sent = sum(getattr(choice, form).bytes_sent for choice in choices if choice is not None)
+    wire = measured["collective-permute"] + measured["all-gather"] + measured["reduce-scatter"] / 2
+    assert (measured["collective-permute"] > 0) == (form == "ring")
+    assert wire == pytest.approx(sent, rel=0.01)
+    tensor = sum(priced.layer_cost(i, "small", config).tp_allreduce_bytes for i in range(len(priced.layers)))
+    assert _model_axis_all_reduce_bytes(hlo, (2, 2, 2)) == pytest.approx(tensor, rel=0.01)
+
+    reference, alone = [], RECIPE.initial_state(0)
+    one_device = jax.jit(RECIPE.train_step)
+    for batch in batches:
+        alone, metrics = one_device(alone, batch)
+        reference.append(float(metrics["loss"]))
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    assert state.params["blocks_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == kernel.sharding.spec
 
 
 def _priced_and_compiled(model, kind: str, cp: int, devices) -> tuple[float, float]:

@@ -65,44 +65,33 @@ def test_an_inter_stage_transfer_spreads_over_the_senders_links():
 
 
 @functools.cache
-def _narrow(blocks: int):
-    """A narrow GPT of ``blocks`` blocks, captured: (graph, layers, param axes)."""
+def _narrow(blocks: int, seq_len: int = 16):
+    """A narrow GPT of ``blocks`` blocks at ``seq_len`` tokens, captured: (graph, layers, param axes)."""
     from integrations.flax import capture
     from orchestrator.coarsen import coarsen
     from recipes import GPTConfig, Recipe
 
-    config = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=blocks, num_heads=2, d_model=16)
-    recipe = Recipe(name="narrow", config=config, batch_size=1, seq_len=16)
-    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, 16))
+    config = GPTConfig(vocab_size=64, max_seq_len=seq_len, num_layers=blocks, num_heads=2, d_model=16)
+    recipe = Recipe(name="narrow", config=config, batch_size=1, seq_len=seq_len)
+    graph = capture(recipe.train_step, recipe.abstract_state(), recipe.batch_spec(1, seq_len))
     return graph, coarsen(graph), recipe.param_axes()
 
 
 def _stand_in(run, blocks: int):
-    """The cost model of a narrow GPT of ``blocks`` blocks on the run's cluster."""
+    """The cost model of a narrow GPT of ``blocks`` blocks on the run's cluster; at the run's
+    sequence length where it splits sequences (context parallelism is offered where a layer's
+    attention fits no device at one sample, which a narrow model's does only at that length)."""
     from orchestrator.costs import CostModel
 
-    graph, layers, axes = _narrow(blocks)
+    long = (run.parallel.get("cp") or 1) > 1
+    graph, layers, axes = _narrow(blocks, run.model["seq_len"] if long else 16)
     return CostModel(graph, layers, run_cluster(run), batch_size=1, param_axes=axes)
 
 
-def _membership_cases():
-    """Every priced run; one with context parallelism and tensor parallelism together is expected
-    outside the space: the planner offers context-parallel groups at tp = 1 only (their executor
-    does not combine the two, docs/planner.md, "Context parallelism")."""
-    for run in load_runs():
-        if run.unsupported():
-            continue
-        if (run.parallel.get("cp") or 1) > 1 and run.parallel["tp"] > 1:
-            reason = "context parallelism with tensor parallelism: outside the planner's space"
-            yield pytest.param(run.id, marks=pytest.mark.xfail(strict=True, reason=reason))
-        else:
-            yield run.id
-
-
-@pytest.mark.parametrize("run_id", list(_membership_cases()))
+@pytest.mark.parametrize("run_id", [run.id for run in load_runs() if not run.unsupported()])
 def test_the_planners_space_contains_the_published_configuration(run_id):
     """Every priced run's configuration (DP 24, 15, 9 on whole hosts; M = 48, 144 and other counts
-    that are not powers of two; PP up to 64) lies in the space ``bench published`` plans it in: the
+    that are not powers of two; PP up to 64; Llama 3's TP 8 × CP 16) lies in the space ``bench published`` plans it in: the
     groups ``search_space`` offers with the run's options (``plan_options``), every divisor of the
     batch as M, and ``plan()``'s depth limit at the run's own depth (embedding, blocks, head). The
     groups do not depend on the model's width or depth, so two narrow blocks stand in for the model.
@@ -110,7 +99,8 @@ def test_the_planners_space_contains_the_published_configuration(run_id):
     them (FSDP priced as ZeRO), and the virtual-stage counts its bound holds over: the search's space
     holds plain schedules, and the space of a plan asked to interleave (as ``bench published`` asks)
     holds every v ≤ v_max, v_max from the run's own block count, so a run that interleaves lies in it
-    at its own v."""
+    at its own v. Context-parallel groups depend on the sequence: a run that splits it is stood in for
+    at its own length."""
     import dataclasses
 
     from orchestrator.planner._ilp import Run
@@ -132,6 +122,7 @@ def test_the_planners_space_contains_the_published_configuration(run_id):
     max_stages = min(options["max_stages"], depth, len(model.cluster.devices()))  # as plan() limits it
     covered = space.coverage(microbatch_counts(run.global_batch), max_stages)
     cp = p.get("cp") or 1
+    assert any(len(group) == 5 for group in covered.groups) == (cp > 1)  # CP only where needed
     stage = (run.gpu_type, p["tp"] * p["dp"] * cp, p["tp"], p["recompute"] == "full") + ((cp,) if cp > 1 else ())
     M = run.global_batch // (p["dp"] * (p["microbatch_size"] or 1))
     stated = {

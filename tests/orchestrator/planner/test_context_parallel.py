@@ -14,9 +14,12 @@ from recipes import get_recipe
 def test_groups_split_the_sequence_where_it_divides():
     infos = type_infos(load_cluster("a100x8"))
     groups = context_parallel_configs(infos, seq_len=64, device_types={"a100"}, recompute=False)
-    # without tensor parallelism, which the executor's context-parallel step does not combine with it
-    assert {(g.size, g.tp, g.cp) for g in groups if g.size == 8} == {(8, 1, 2), (8, 1, 4), (8, 1, 8)}
+    # with tensor parallelism inside each ring position (tp·cp dividing the group), as Llama 3 runs
+    eight = {(8, 1, 2), (8, 1, 4), (8, 1, 8), (8, 2, 2), (8, 2, 4), (8, 4, 2)}
+    assert {(g.size, g.tp, g.cp) for g in groups if g.size == 8} == eight
     assert all(g.size == g.tp * g.cp * g.dp for g in groups)
+    plain = context_parallel_configs(infos, seq_len=64, device_types={"a100"}, recompute=False, tensor_parallel=False)
+    assert {(g.size, g.tp, g.cp) for g in plain if g.size == 8} == {(8, 1, 2), (8, 1, 4), (8, 1, 8)}
     # the zigzag layout needs 2·cp chunks: T = 12 takes cp 2 only
     assert {g.cp for g in context_parallel_configs(infos, seq_len=12, device_types={"a100"})} == {2}
     # a data-parallel degree the batch does not divide is left out
