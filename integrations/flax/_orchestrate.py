@@ -211,8 +211,9 @@ def orchestrate(
       profile: time the layers on the local device and use those times (``local`` cluster only).
       max_stages, time_limit_s: passed to :func:`orchestrator.planner.plan`. A state whose update does not
         split by pipeline stage (no ``apply_gradients``, as :func:`~integrations.flax.from_nnx` states; an
-        optimizer across parameters, as ``optax.clip_by_global_norm``) is planned on one stage, and the plan's
-        notes say why.
+        optimizer across parameters, as ``optax.clip_by_global_norm``) is planned on one stage, and so is a
+        step whose plan splits the sequence over several stages (context-parallel stages run on one
+        stage only); the plan's notes say why.
       zero: plan with ZeRO-1 and shard optimizer moments over data-parallel replicas.
       pipeline_options: keyword arguments for the pipeline executor of multi-stage plans
         (``observers``), kept for plans the run switches to.
@@ -261,6 +262,17 @@ def orchestrate(
             zero=zero,
             mixed_stages=False,
         )
+        if one_stage is None and len(plan.stages) > 1 and any(stage.cp > 1 for stage in plan.stages):
+            # the context-parallel step runs one stage; a pipeline of context-parallel stages is not run
+            one_stage = "the sequence is split (context parallelism), which runs on one stage"
+            plan = make_plan(
+                model,
+                global_batch=global_batch,
+                max_stages=1,
+                time_limit_s=time_limit_s,
+                zero=zero,
+                mixed_stages=False,
+            )
         if one_stage is not None:
             plan = dataclasses.replace(plan, notes=(f"one stage: {one_stage}", *plan.notes))
     placed = shard(plan, state, param_axes=param_axes, layers=layers, cluster=cluster, zero=zero, axis_rules=axis_rules)

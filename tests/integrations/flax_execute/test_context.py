@@ -219,3 +219,32 @@ def test_the_priced_memory_under_context_parallelism_tracks_xla_as_the_plain_ste
     split_priced, split_compiled = _priced_and_compiled(model, kind, 4, jax.devices()[:4])
     assert split_compiled < plain_compiled / 2  # the split step holds far less than the whole sequence's
     assert (split_priced / split_compiled) / (plain_priced / plain_compiled) == pytest.approx(1.0, abs=0.25)
+
+
+def test_orchestrate_runs_a_split_sequence_on_one_stage(planned, monkeypatch):
+    """A plan of several context-parallel stages, which no executor runs, is planned again on one
+    stage by ``orchestrate``, whose notes say why; the step then runs."""
+    import orchestrator.planner
+    from integrations.flax import orchestrate
+
+    _, found = planned
+    [stage] = found.stages
+    piped = dataclasses.replace(
+        found,
+        stages=(dataclasses.replace(stage, layers=stage.layers[:2]), dataclasses.replace(stage, layers=stage.layers[2:])),
+    )
+    real, asked = orchestrator.planner.plan, []
+
+    def planner(model, **kwargs):
+        asked.append(kwargs["max_stages"])
+        return piped if len(asked) == 1 else real(model, **kwargs)
+
+    monkeypatch.setattr(orchestrator.planner, "plan", planner)
+    run = orchestrate(
+        RECIPE.initial_state(0), RECIPE.train_step, load_cluster(CLUSTER), batch=RECIPE.batch_for_step(0, 0),
+        profile=False,
+    )  # fmt: skip
+    assert asked == [None, 1]
+    assert len(run.plan.stages) == 1 and run.plan.stages[0].cp > 1
+    assert run.plan.notes[0] == "one stage: the sequence is split (context parallelism), which runs on one stage"
+    assert np.isfinite(float(run.step(RECIPE.batch_for_step(0, 1))["loss"]))
