@@ -231,7 +231,10 @@ def test_orchestrate_runs_a_split_sequence_on_one_stage(planned, monkeypatch):
     [stage] = found.stages
     piped = dataclasses.replace(
         found,
-        stages=(dataclasses.replace(stage, layers=stage.layers[:2]), dataclasses.replace(stage, layers=stage.layers[2:])),
+        stages=(
+            dataclasses.replace(stage, layers=stage.layers[:2]),
+            dataclasses.replace(stage, layers=stage.layers[2:]),
+        ),
     )
     real, asked = orchestrator.planner.plan, []
 
