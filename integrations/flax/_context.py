@@ -96,19 +96,6 @@ def stage_context_mesh(stage, devices: Mapping[str, jax.Device], cluster=None) -
     return context_mesh([devices[ref] for ref in refs], context_parallel=n, tensor_parallel=t)
 
 
-def place_state(plan, state, *, param_axes=None, cluster=None, zero: bool = False, axis_rules=None):
-    """``state`` as ``integrations.flax.shard`` places it for a one-stage context-parallel plan: on
-    the stage's :func:`stage_context_mesh`, each parameter split over ``"model"`` as tensor
-    parallelism splits it (``param_axes``, ``axis_rules``; optimizer moments over ``"data"`` too
-    with ``zero``), replicated over ``"data"`` and ``"context"`` (a copy: the step donates it)."""
-    from integrations.flax._shard import device_map, state_shardings
-
-    mesh = stage_context_mesh(plan.stages[0], device_map(cluster), cluster)
-    shardings = state_shardings(plan, state, param_axes=param_axes, zero=zero, axis_rules=axis_rules, meshes=[mesh])
-    placed = jax.device_put(state, shardings, may_alias=False)
-    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, placed)
-
-
 def replicate(state, mesh: Mesh):
     """``state`` placed whole on every device of ``mesh`` (a copy: the step donates its state, and
     a placement may alias the caller's buffers)."""
@@ -157,7 +144,7 @@ def context_parallel_step(
       state_shardings: the state's shardings, kept by the step (default: as XLA propagates them).
     Returns:
       ``step(state, batch) -> (state, metrics)`` for a state placed on ``mesh`` (:func:`replicate`,
-      or :func:`place_state` under tensor parallelism) and a :func:`context_batch`-placed batch.
+      or ``integrations.flax.shard`` under tensor parallelism) and a :func:`context_batch`-placed batch.
     """
     n, t = mesh.shape[CONTEXT], mesh.shape[MODEL]
 
@@ -257,8 +244,11 @@ class ContextParallelStep:
         self.fn: Callable | None = None
 
     def place(self, state):
-        """``state`` placed on the stage's mesh (:func:`place_state`; a copy: the step donates it)."""
-        return place_state(
+        """``state`` placed on the stage's mesh as ``integrations.flax.shard`` places it (a copy: the
+        step donates it)."""
+        from integrations.flax._shard import shard
+
+        return shard(
             self.plan,
             state,
             param_axes=self.param_axes,

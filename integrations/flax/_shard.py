@@ -279,13 +279,25 @@ def shard(
     Example:
       >>> sharded = shard(plan, state, param_axes=recipe.param_axes())  # doctest: +SKIP
     """
+    meshes = None
     if any(stage.cp > 1 for stage in plan.stages):  # the sequence split: replicated over "context" (_context)
-        from integrations.flax._context import place_state
+        from integrations.flax._context import stage_context_mesh
 
-        return place_state(plan, state, param_axes=param_axes, cluster=cluster, zero=zero, axis_rules=axis_rules)
+        devices = device_map(cluster)
+        meshes = [
+            stage_context_mesh(stage, devices, cluster) if stage.cp > 1 else stage_mesh(stage, devices)
+            for stage in plan.stages
+        ]
     owners = param_owners(plan, layers) if layers is not None else None
     shardings = state_shardings(
-        plan, state, param_axes=param_axes, owners=owners, cluster=cluster, zero=zero, axis_rules=axis_rules
+        plan,
+        state,
+        param_axes=param_axes,
+        owners=owners,
+        cluster=cluster,
+        zero=zero,
+        axis_rules=axis_rules,
+        meshes=meshes,
     )
     # The compiled step donates the placed state: copy, so the caller's arrays survive.
     placed = jax.device_put(state, shardings, may_alias=False)

@@ -53,7 +53,7 @@ def test_the_plan_trains_with_the_scan_sharded_as_one_device_does(planned):
     cluster = load_cluster(CLUSTER)
     state = shard(found, RECIPE.initial_state(0), cluster=cluster)
     step = compile_step(found, RECIPE.train_step, state, cluster=cluster)
-    assert dict(step.mesh.shape) == {"data": stage.dp, "context": stage.cp}
+    assert dict(step.mesh.shape) == {"data": stage.dp, "context": stage.cp, "model": 1}
     batches = [RECIPE.batch_for_step(0, i) for i in range(STEPS)]
 
     reference, alone = [], RECIPE.initial_state(0)
