@@ -250,7 +250,8 @@ class CostModel:
         self.param_axes = dict(param_axes or {})
         self.axis_rules = tuple(axis_rules) if axis_rules is not None else DEFAULT_LOGICAL_AXIS_RULES
         tensor_parallel_axes(self.axis_rules)  # a malformed table fails here, not at the first priced layer
-        self.traits = tensor_parallel_traits(graph, self.param_axes, self.axis_rules)
+        self._op_traits: dict = {}  # the ops' tensor-parallel tags per parameters' tags (graph-derived)
+        self.traits = tensor_parallel_traits(graph, self.param_axes, self.axis_rules, cache=self._op_traits)
         self.tensor_parallel = bool(param_axes)
         self._constant_ops = batch_independent_ops(graph)
         param_shapes = {spec.shape for spec in graph.params.values()}
@@ -307,7 +308,7 @@ class CostModel:
         return self._memo(
             self._graph_memo,
             ("traits", tp),
-            lambda: tensor_parallel_traits(self.graph, self.param_axes, self.axis_rules, tp),
+            lambda: tensor_parallel_traits(self.graph, self.param_axes, self.axis_rules, tp, cache=self._op_traits),
         )
 
     def _scale(self, name: str, tp: int, microbatch: float, sp: bool = False) -> float:

@@ -234,10 +234,15 @@ def tensor_parallel_traits(
     param_axes: Mapping[str, Sequence[str | None]],
     rules: LogicalAxisRules | None = None,
     tp: int | None = None,
+    *,
+    cache: dict | None = None,
 ) -> TensorParallelTraits:
     """Tag every op of ``graph`` (rules in the module docstring) for tensor-parallel degree ``tp``.
 
-    With ``tp=None`` every dim that ``rules`` map to ``"model"`` counts as divisible.
+    With ``tp=None`` every dim that ``rules`` map to ``"model"`` counts as divisible. The ops' tags
+    depend on ``tp`` only through the parameters' tags, which are the same for every ``tp`` that
+    divides the same dims: ``cache`` (a dict kept by the caller for one graph) holds the ops' tags
+    per parameters' tags, so those degrees walk the graph once.
     """
     param_roles: dict[str, Role] = {}
     param_sizes: dict[str, int] = {}
@@ -247,6 +252,16 @@ def tensor_parallel_traits(
         dim = sharded_dim(spec.shape, axes, tp, rules)
         if dim is not None:
             param_sizes[path] = spec.shape[dim]
+    if cache is None:
+        return _op_traits(graph, param_roles, param_sizes)
+    key = (tuple(param_roles.items()), tuple(param_sizes.items()))
+    if key not in cache:
+        cache[key] = _op_traits(graph, param_roles, param_sizes)
+    return cache[key]
+
+
+def _op_traits(graph: OpGraph, param_roles: dict[str, Role], param_sizes: dict[str, int]) -> TensorParallelTraits:
+    """The tags of every op of ``graph`` given its parameters' (:func:`tensor_parallel_traits`)."""
     roles: dict[str, Role] = {}
     sizes: dict[str, int] = {}  # S: global size of a split output's split dim
     split, allreduce = set(), set()

@@ -29,7 +29,7 @@ alone (docs/planner.md, "Context parallelism"), so the space elsewhere is the sp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.cluster import Cluster, Link
 
@@ -42,6 +42,15 @@ class GroupConfig:
     recompute: bool
     parts: tuple[tuple[str, int], ...] = ()  # a mixed group's (type, devices), in type order
     cp: int = 1  # context-parallel degree: the devices each sequence is split over
+    # (groups key the cost table's millions of lookups: the hash is computed once)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.device_type, self.size, self.tp, self.recompute, self.parts, self.cp)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def dp(self) -> int:

@@ -67,8 +67,8 @@ to price), and dropping the columns another column of the same shape beats on ev
 taking no more devices (:meth:`StageColumns._dominance`).
 
 The MIP first solves its LP and drops every column whose reduced cost lifts the LP above the cutoff
-(:meth:`_PositionsLP.drop_by_reduced_cost`), then runs without presolve and without HiGHS's
-sub-MIP heuristics (``MIP_OPTIONS``). Given a pricing function, it stops at each plan it finds
+(:meth:`_PositionsLP.drop_by_reduced_cost`), then runs without HiGHS's sub-MIP heuristics, and
+with presolve only above ``PRESOLVE_ABOVE_STAGES`` stages (``MIP_OPTIONS``). Given a pricing function, it stops at each plan it finds
 (HiGHS's ``mip_max_improving_sols`` 1), prices it, which may lower the cutoff, and excludes it with
 every order of its inner stages that it holds (:meth:`StageColumns._reorders`, each priced too:
 the rows see a stage's neighbours only through its transfer floors, so those orders are what it
@@ -100,12 +100,15 @@ PROBES = 12
 # the most reorders of a MIP's plan priced and excluded with it (``StageColumns._reorders``): the 6! orders
 # of the inner stages of 8
 REORDERS = 720
-# HiGHS options of the MIPs. No presolve: with it the MIPs stop at other plans first, and GPT-175B ×
-# mixed-4type-512 ends at 9.8% in 10 s (1.0% without), though the deep pipelines' MIPs close sooner
-# with it (GPT-1T × 3072 A100: 9.0 s of CPU against 23.6 s). No RENS, RINS, root
-# reduced-cost, ZI-round or shifting heuristics: after reduced-cost fixing the MIPs only prove that
-# no plan is below the cutoff, and the sub-MIPs of RENS and the root reduced-cost heuristic would
-# take most of their time.
+# HiGHS options of the MIPs. No presolve up to PRESOLVE_ABOVE_STAGES stages: with it the MIPs stop at
+# other plans first, and GPT-175B × mixed-4type-512 (S ≤ 16) ends at 9.8% in 10 s (1.0% without).
+# Presolve above: the MIPs of deep pipelines only prove at their root node that no plan is below the
+# cutoff, and presolve drops about 70% of their columns before HiGHS's root cut separation walks
+# them (GPT-1T × 3072 A100, S = 39: 1.2 s against 14 s; the whole search 61 s against 112 s). No RENS,
+# RINS, root reduced-cost, ZI-round or shifting heuristics: after reduced-cost fixing the MIPs only
+# prove that no plan is below the cutoff, and the sub-MIPs of RENS and the root reduced-cost heuristic
+# would take most of their time.
+PRESOLVE_ABOVE_STAGES = 16
 MIP_OPTIONS = {
     "presolve": "off",
     "mip_heuristic_run_rens": False,
@@ -364,7 +367,7 @@ class StageColumns:
         M, cutoff_ms = self.M, cutoff_s * MS
         lp = _PositionsLP(self, stages, cutoff_ms=cutoff_ms)
         top = cutoff_ms / M if math.isfinite(cutoff_ms) else float(lp.stage_ms.max(initial=0.0))
-        z_top = lp.least_step_ms(top)
+        z_top = lp.least_step_ms(top, stop_ms=cutoff_ms)
         if z_top >= cutoff_ms:
             return (cutoff_s if math.isfinite(cutoff_ms) else math.inf), None
 
@@ -423,6 +426,8 @@ class StageColumns:
         lp.highs.setOptionValue("mip_rel_gap", TOLERANCE)
         for option, value in MIP_OPTIONS.items():
             lp.highs.setOptionValue(option, value)
+        if stages > PRESOLVE_ABOVE_STAGES:
+            lp.highs.setOptionValue("presolve", "on")
         floor, priced = 0.0, math.inf  # (ms) the MIP's bound so far; the least price of the plans priced
         column_of = {(int(lp.position[i]), int(lp.shape[i]), int(lp.group[i])): j for j, i in enumerate(kept)}
         for excluded in itertools.count():
@@ -711,9 +716,11 @@ class _PositionsLP:
         self.highs.deleteCols(int(dropped.sum()), everything[dropped].astype(np.int32))
         return everything[~dropped]
 
-    def least_step_ms(self, within_ms: float = math.inf) -> float:
+    def least_step_ms(self, within_ms: float = math.inf, *, stop_ms: float = math.inf) -> float:
         """The LP's least Z (ms) with every stage computing within ``within_ms`` per microbatch:
-        +inf when it is infeasible, 0 when HiGHS ends undecided."""
+        +inf when it is infeasible or its dual simplex proves Z ≥ ``stop_ms`` (HiGHS's
+        ``objective_bound``, which ends the solve there; HiGHS ignores it after presolve, so a
+        finite ``stop_ms`` solves without), 0 when HiGHS ends undecided."""
         import highspy
 
         if self.empty:
@@ -721,9 +728,11 @@ class _PositionsLP:
         X = len(self.position)
         upper = np.where(self.stage_ms <= within_ms, 1.0, 0.0)
         self.highs.changeColsBounds(X, np.arange(X, dtype=np.int32), np.zeros(X), upper)
+        self.highs.setOptionValue("objective_bound", stop_ms)
+        self.highs.setOptionValue("presolve", "off" if math.isfinite(stop_ms) else "choose")
         work.run(self.highs)
         status = self.highs.getModelStatus()
-        if status == highspy.HighsModelStatus.kInfeasible:
+        if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kObjectiveBound):
             return math.inf
         if status != highspy.HighsModelStatus.kOptimal:
             return 0.0

@@ -20,6 +20,7 @@ class StageCosts:
         entries = [space.table.entry(layer, group, microbatches) for layer in range(space.layers)]
         self.group = group
         self._matrices = None  # (``_memory``)
+        self._times: dict[int, np.ndarray] = {}  # (``times``, per in-flight count)
         self.time = [0.0, *itertools.accumulate(e.time_s for e in entries)]
         self.parts = []  # (capacity, static prefix sums, activation prefix sums, transients) per part
         layers = [space.table.memory_parts(layer, group, microbatches) for layer in range(space.layers)]
@@ -39,13 +40,16 @@ class StageCosts:
 
     def times(self, in_flight_microbatches: int) -> np.ndarray:
         """[i, k]: the time of layers [i, k) where they fit with ``in_flight_microbatches``, inf elsewhere
-        (and wherever k ≤ i)."""
-        out = _spans(self.time)
-        fits = np.triu(np.ones_like(out, dtype=bool), 1)
-        for capacity, static, activations, peak in self._memory():
-            fits &= static + activations * in_flight_microbatches + peak <= capacity
-        out[~fits] = np.inf
-        return out
+        (and wherever k ≤ i). Built once per count (the sweeps ask for each many times), read-only."""
+        if in_flight_microbatches not in self._times:
+            out = _spans(self.time)
+            fits = np.triu(np.ones_like(out, dtype=bool), 1)
+            for capacity, static, activations, peak in self._memory():
+                fits &= static + activations * in_flight_microbatches + peak <= capacity
+            out[~fits] = np.inf
+            out.flags.writeable = False
+            self._times[in_flight_microbatches] = out
+        return self._times[in_flight_microbatches]
 
     def _memory(self) -> list[tuple[float, np.ndarray, np.ndarray, np.ndarray]]:
         """Per part: (capacity, and over layers [i, k): static bytes, activation bytes, the largest

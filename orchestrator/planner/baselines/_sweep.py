@@ -3,6 +3,7 @@ planner's search space, the sweep over stage and microbatch counts, and its best
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -16,6 +17,10 @@ from orchestrator.solver import work
 
 Blocks = list[tuple[str, int]]  # (device type, devices) per stage
 Proposal = tuple[list[list[int]] | None, list[GroupConfig] | None]  # (split, groups), None where none fits
+
+# every sweep over one cost table (the heuristic start runs the five baselines over one space) shares
+# its StageCosts: they depend on the table, the group and M only
+_STAGE_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +109,11 @@ class Sweep:
         self.stage_counts = (
             [S for S in stage_counts if S <= self.max_stages] if stage_counts else range(1, self.max_stages + 1)
         )
-        self._costs: dict[tuple[GroupConfig, int], StageCosts] = {}
+        self._costs: dict[tuple[GroupConfig, int], StageCosts] = _STAGE_COSTS.setdefault(self.space.table, {})
 
     def costs(self, group: GroupConfig, M: int) -> StageCosts:
-        """``StageCosts(space, group, M)``, built once per search (they do not depend on S or the order)."""
+        """``StageCosts(space, group, M)``, built once per cost table (they do not depend on S, the order
+        or the baseline)."""
         if (group, M) not in self._costs:
             self._costs[group, M] = StageCosts(self.space, group, M)
         return self._costs[group, M]
