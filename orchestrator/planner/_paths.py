@@ -68,9 +68,10 @@ taking no more devices (:meth:`StageColumns._dominance`).
 
 The MIP first solves its LP and drops every column whose reduced cost lifts the LP above the cutoff
 (:meth:`_PositionsLP.drop_by_reduced_cost`), then runs without HiGHS's sub-MIP heuristics, and
-with presolve only above ``PRESOLVE_ABOVE_STAGES`` stages (``MIP_OPTIONS``). Given a pricing function, it stops at each plan it finds
-(HiGHS's ``mip_max_improving_sols`` 1), prices it, which may lower the cutoff, and excludes it with
-every order of its inner stages that it holds (:meth:`StageColumns._reorders`, each priced too:
+with presolve only above ``PRESOLVE_ABOVE_STAGES`` stages (``MIP_OPTIONS``). Given a pricing
+function, it stops at each plan it finds (HiGHS's ``mip_max_improving_sols`` 1), prices it, which
+may lower the cutoff, and excludes it with every order of its inner stages that it holds
+(:meth:`StageColumns._reorders`, each priced too:
 the rows see a stage's neighbours only through its transfer floors, so those orders are what it
 would find next), until none is left below the cutoff: its rows only bound the closed form, so a
 plan it finds below the cutoff may be priced above it. Its bound is HiGHS's dual bound, never the
@@ -104,10 +105,9 @@ REORDERS = 720
 # other plans first, and GPT-175B × mixed-4type-512 (S ≤ 16) ends at 9.8% in 10 s (1.0% without).
 # Presolve above: the MIPs of deep pipelines only prove at their root node that no plan is below the
 # cutoff, and presolve drops about 70% of their columns before HiGHS's root cut separation walks
-# them (GPT-1T × 3072 A100, S = 39: 1.2 s against 14 s; the whole search 61 s against 112 s). No RENS,
-# RINS, root reduced-cost, ZI-round or shifting heuristics: after reduced-cost fixing the MIPs only
-# prove that no plan is below the cutoff, and the sub-MIPs of RENS and the root reduced-cost heuristic
-# would take most of their time.
+# them (GPT-1T × 3072 A100, S = 39: 1.2 s against 14 s). No RENS, RINS, root reduced-cost, ZI-round
+# or shifting heuristics: after reduced-cost fixing the MIPs only prove that no plan is below the
+# cutoff, and the sub-MIPs of RENS and the root reduced-cost heuristic would take most of their time.
 PRESOLVE_ABOVE_STAGES = 16
 MIP_OPTIONS = {
     "presolve": "off",
