@@ -27,6 +27,7 @@ from orchestrator.costs import (
     reduce_scatter_s,
     sharded_dim,
     tensor_parallel_axes,
+    tensor_parallel_traits,
 )
 from orchestrator.costs._liveness import YNN_MIN_ELEMENTS, materialized_ops, traffic_bytes
 from orchestrator.graph import Op, OpGraph, TensorSpec, dtype_itemsize
@@ -335,6 +336,17 @@ def test_tensor_parallelism_leaves_attention_replicated_when_tp_does_not_divide_
     activation = 16 * 16 * 64 * 4
     assert model.tp_allreduce_bytes(1, 16, 8) == {"forward": activation, "backward": activation}
     assert model.tp_allreduce_bytes(1, 16, 4) == {"forward": 2 * activation, "backward": 2 * activation}
+
+
+def test_degrees_that_split_the_same_parameters_share_one_walk_of_the_graph():
+    graph, layers = _gpt_tiny()
+    axes = get_recipe("gpt-tiny").param_axes()
+    model = CostModel(graph, layers, load_cluster("a100x8"), batch_size=16, param_axes=axes)
+    for tp in (1, 2, 4, 8):  # the cached tags are those of a fresh walk at that degree
+        assert model.traits_for(tp) == tensor_parallel_traits(graph, axes, model.axis_rules, tp)
+    # tp 2 and 4 divide the same dims of gpt-tiny (4 heads), so they share one walk; tp 8 does not
+    assert model.traits_for(2) is model.traits_for(4)
+    assert model.traits_for(8) is not model.traits_for(4)
 
 
 def test_vocabulary_split_lookup_and_cross_entropy_are_all_reduced():
