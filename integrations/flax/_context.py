@@ -58,10 +58,9 @@ from jax.sharding import PartitionSpec as P
 from conductor.kernels import AttentionBlockSizes
 from conductor.kernels.ring import Form, Layout, layout_positions, ring_attention, to_layout
 from conductor.kernels.scan import ScanBlockSizes, sequence_sharded_scan
+from integrations.flax._shard import CONTEXT, DATA, MODEL
 from orchestrator.cluster import ring_order
-from orchestrator.costs import MODEL_AXIS
 
-DATA, CONTEXT, MODEL = "data", "context", MODEL_AXIS
 CORE_ATTENTION, POSITIONS, CORE_SCAN = "core_attention", "positions", "core_scan"
 
 

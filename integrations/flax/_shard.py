@@ -17,7 +17,9 @@ leaves whose key path ends with a parameter's key path and have its shape
 (AdamW's ``mu``, ``nu``) follow that parameter; with ``zero=True`` (ZeRO-1) they are
 additionally split over ``"data"`` on their first free dimension that dp divides, or, where dp
 divides no dimension tensor parallelism leaves whole (a column-parallel bias), over
-``("model", "data")`` on the first split one that tp·dp divides. On a stage whose plan says
+``("model", "data")`` on the first split one that tp·dp divides; on a context-parallel stage over
+``("data", "context")`` alike, the dp·cp ranks that hold the same parameters (as the cost model
+prices the moments, and as Megatron's distributed optimizer shards over its data × context group). On a stage whose plan says
 ``fsdp`` (ZeRO-3) the parameters are split the same way too: each is stored 1/dp per replica, as the cost model
 prices it. In a one-stage plan XLA's partitioner all-gathers a parameter where a matmul reads it
 and reduce-scatters its gradient (on XLA:CPU an all-reduce of the gradient sliced to the
@@ -39,7 +41,7 @@ from integrations.flax._capture import is_param_path, param_path_name
 from integrations.flax._stages import chunk_layers
 from orchestrator.costs import MODEL_AXIS, LogicalAxisRules, logical_to_mesh_axes
 
-DATA, MODEL = "data", MODEL_AXIS
+DATA, CONTEXT, MODEL = "data", "context", MODEL_AXIS
 
 
 def device_map(cluster=None) -> dict[str, jax.Device]:
@@ -115,21 +117,24 @@ def stored_spec(
     on ``stage``'s mesh: its tensor-parallel spec, split over ``"data"`` too where the stage says
     ``fsdp`` or, for a moment, ``zero`` (see module docstring)."""
     spec = param_spec(shape, axes, stage.tp, axis_rules)
-    if (stage.fsdp or (moment and (zero or stage.zero))) and stage.dp > 1:
-        spec = _zero_spec(spec, shape, stage.dp, stage.tp)
+    replicas = stage.dp * stage.cp  # (the ranks holding the same parameters: a ring's too)
+    if (stage.fsdp or (moment and (zero or stage.zero))) and replicas > 1:
+        over = (DATA, CONTEXT) if stage.cp > 1 else (DATA,)
+        spec = _zero_spec(spec, shape, replicas, stage.tp, over)
     return spec
 
 
-def _zero_spec(spec: P, shape: Sequence[int], dp: int, tp: int) -> P:
+def _zero_spec(spec: P, shape: Sequence[int], replicas: int, tp: int, over: tuple[str, ...]) -> P:
     entries = list(spec) + [None] * (len(shape) - len(spec))
+    split = over[0] if len(over) == 1 else over
     for i, (entry, size) in enumerate(zip(entries, shape)):
-        if entry is None and size % dp == 0:
-            entries[i] = DATA
+        if entry is None and size % replicas == 0:
+            entries[i] = split
             return P(*entries)
-    # dp divides no dim tensor parallelism leaves whole (a column-parallel bias): split a split one further
+    # the replicas divide no dim tensor parallelism leaves whole (a column-parallel bias): split a split one further
     for i, (entry, size) in enumerate(zip(entries, shape)):
-        if entry == MODEL and size % (tp * dp) == 0:
-            entries[i] = (MODEL, DATA)
+        if entry == MODEL and size % (tp * replicas) == 0:
+            entries[i] = (MODEL, *over)
             return P(*entries)
     return spec
 

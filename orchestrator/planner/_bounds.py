@@ -25,7 +25,7 @@ from orchestrator.planner._incumbent import Best, Incumbent
 from orchestrator.planner._packing import TOLERANCE, PackingBound
 from orchestrator.planner._paths import StageColumns
 from orchestrator.planner._scope import Scope
-from orchestrator.planner._workers import default_workers
+from orchestrator.planner._workers import WAVE, default_workers
 from orchestrator.solver import highs_available, work
 
 log = logging.getLogger(__name__)
@@ -114,13 +114,19 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
     bisection is not run: a piece it leaves open goes to its MIP, which is far tighter, and the
     bisections' solves are what that MIP then lacks); then, where
     an LP leaves its (M, S) more than ``gap`` below the incumbent, its MIP (after every LP, weakest
-    first; a fair share of the time left, at least ``options.column_mip_s``), all on
-    ``default_workers()`` threads (highspy releases the GIL). Every MIP solution whose stages chain
-    is offered to ``best``; the MIP then excludes it and goes on (``StageColumns.integer_bound_s``).
-    A better incumbent lowers the cutoff for the MIPs running and still to run, and a MIP stopped by
-    its time limit runs again, with at least ``options.retry_growth`` times its last limit, while
-    time is left. Solves ``deadline`` stops leave their (M, S) out (first LP) or at the LP's bound
-    (MIP). Over ``candidates`` (default: the scope's)."""
+    first; a fair share of the time left, at least ``options.column_mip_s``), two or more at once
+    (highspy releases the GIL). Every MIP solution whose stages chain is offered to ``best``; the
+    MIP then excludes it and goes on (``StageColumns.integer_bound_s``). A better incumbent lowers
+    the cutoff for the MIPs still to run, and a MIP stopped by its time limit runs again, with at
+    least ``options.retry_growth`` times its last limit, while time is left. Solves ``deadline``
+    stops leave their (M, S) out (first LP) or at the LP's bound (MIP). Over ``candidates``
+    (default: the scope's).
+
+    On the wall clock the solves run on ``default_workers()`` threads, each taking the next job as
+    one ends, and a MIP's plans lower the cutoff of the MIPs running beside it at once. Counting
+    work, they run in waves of ``WAVE`` (``_in_waves``): each solve counts on a lane of its own and
+    offers its plans to a fork of ``best``, whose incumbents ``best`` keeps in start order once the
+    wave ends, so the steps taken do not depend on which solve ends first."""
     space, max_stages, gap, options = scope.space, scope.max_stages, scope.gap, scope.options
     candidates = scope.candidates if candidates is None else candidates
     found: dict[int, dict[int, float]] = {M: {} for M in candidates}
@@ -136,7 +142,8 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
         columns[M] = StageColumns(space, groups, microbatches=M, schedule=best.schedule)
     near = best.current.microbatches if best.current else max(candidates, default=1)
     order = sorted(columns, key=lambda M: abs(math.log2(M / near)))
-    workers = default_workers()
+    waves = work.counting()
+    workers = WAVE if waves else default_workers()
     pool = ThreadPoolExecutor(workers)
     jobs = [
         ("lp", M, S, functools.partial(columns[M].first_bound_s, S, cutoff_s=cutoff_s))
@@ -147,22 +154,23 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
 
     lock = threading.Lock()
 
-    def price(M: int, stages: list[list[int]], groups: list[GroupConfig]) -> tuple[float, float]:
-        """A MIP's plan offered to ``best``: (its step time, fitting or not; the cutoff now). A MIP
-        excludes the plan for every plan of the columns it dominates, whose step time is no lower
-        (``_paths``), but which may fit where it does not, and whose migration term may be lower:
-        what bounds their scores is its step time. Past the deadline the search has moved on:
-        (0, 0) ends the MIP, whose result is not read."""
+    def price(M: int, into: Best, stages: list[list[int]], groups: list[GroupConfig]) -> tuple[float, float]:
+        """A MIP's plan offered to ``into`` (``best`` or its fork): (its step time, fitting or not;
+        the cutoff now). A MIP excludes the plan for every plan of the columns it dominates, whose
+        step time is no lower (``_paths``), but which may fit where it does not, and whose migration
+        term may be lower: what bounds their scores is its step time. Past the deadline the search
+        has moved on: (0, 0) ends the MIP, whose result is not read."""
         nonlocal cutoff_s
         if work.now() >= deadline:
             return 0.0, 0.0
         with lock:
-            before = best.current
-            ev = best.offer(stages, groups, M)
-            if best.current is not before:
+            before = into.current
+            ev = into.offer(stages, groups, M)
+            if into.current is not before:
                 log.debug("column plan: %.6g ms at M=%d, %d stages", ev.iteration_s * MS, M, len(stages))
-            cutoff_s = best.cutoff_s(gap)
-            return ev.iteration_s, cutoff_s
+            if into is best:
+                cutoff_s = best.cutoff_s(gap)
+            return ev.iteration_s, into.cutoff_s(gap)
 
     def mip(M: int, S: int):  # (under the cutoff of the incumbent when it starts)
         left = deadline - work.now()
@@ -170,7 +178,9 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
         limit = limits[M, S] = min(
             left, max(options.column_mip_s, share, options.retry_growth * limits.get((M, S), 0.0))
         )
-        return columns[M].integer_bound_s(S, cutoff_s=cutoff_s, time_limit_s=limit, price=functools.partial(price, M))
+        into = best.fork() if waves else best
+        pricing = functools.partial(price, M, into)
+        return columns[M].integer_bound_s(S, cutoff_s=cutoff_s, time_limit_s=limit, price=pricing), into
 
     def queue(pieces) -> None:  # MIPs of the open pieces, weakest first (never without an incumbent)
         if best.current is not None:
@@ -178,8 +188,9 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
             jobs.extend(("mip", M, S, functools.partial(mip, M, S)) for _, M, S in waiting)
 
     lps, stopped = len(jobs), []
+    run = _in_waves if waves else _on_threads
     try:
-        for kind, M, S, result in _on_threads(pool, workers, jobs, deadline):
+        for kind, M, S, result in run(pool, workers, jobs, deadline):
             if kind == "lp":
                 found[M][S], _ = result  # (the bisection it offers is not run, above)
                 lps -= 1
@@ -187,7 +198,10 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
                     log.debug("column LPs done")
                     queue([(M, S) for M, bounds in found.items() for S in bounds])
                 continue
-            bound, _, decided = result  # (its plans went to ``price``)
+            (bound, _, decided), into = result  # (its plans went to ``price``)
+            if into is not best and into.current is not None:
+                best.keep(into.current)
+                cutoff_s = best.cutoff_s(gap)
             log.debug(
                 "column MIP M=%d S=%d: %.6g ms (LP %.6g), decided %s, limit %.2f s",
                 M,
@@ -212,6 +226,21 @@ def column_bounds(scope: Scope, best: Best, candidates=None, *, deadline: float)
             ", ".join(f"{S}: {'closed' if b >= cutoff_s else f'{b * MS:.6g}'}" for S, b in sorted(bounds.items())),
         )
     return found
+
+
+def _in_waves(pool: ThreadPoolExecutor, size: int, jobs: list, deadline: float):
+    """Counting work: the (kind, M, S, job) of ``jobs`` ``size`` at a time, first first, each
+    counted on a lane from the wave's start (``work.lane``), yielding (kind, M, S, job()) in start
+    order once the whole wave has ended and its lanes are folded into the clock; the caller may add
+    jobs between yields, and no wave starts past ``deadline``."""
+    while jobs and work.now() < deadline:
+        wave = [jobs.pop(0) for _ in range(min(size, len(jobs)))]
+        lanes = [work.lane() for _ in wave]
+        futures = [pool.submit(work.counted_on, lane, job) for lane, (_, _, _, job) in zip(lanes, wave)]
+        results = [future.result() for future in futures]
+        work.fold(lanes)
+        for (kind, M, S, _), result in zip(wave, results):
+            yield kind, M, S, result
 
 
 def _on_threads(pool: ThreadPoolExecutor, workers: int, jobs: list, deadline: float):

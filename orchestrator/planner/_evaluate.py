@@ -8,6 +8,7 @@ activations at its peak.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.planner._closed_form import interleaved_in_flight, step_time
@@ -92,6 +93,23 @@ def summarize_stage(
         layer_backward_s=tuple(e.time_s - e.forward_s for e in entries),
         layer_sync_s=tuple(e.dp_sync_s for e in entries),
     )
+
+
+def summary_cache() -> Callable[..., StageSummary | None]:
+    """:func:`summarize_stage`, each stage priced once: for the searches and enumerations that price
+    many plans over one cost table and its links (a neighbour or the next plan changes few stages).
+    Pass it to :func:`evaluate` as ``summarize``; ``layers`` may be a list or a tuple."""
+    summaries: dict[tuple, StageSummary | None] = {}
+
+    def summary(layers, group, next_group, microbatches, in_flight_microbatches, *, table, links):
+        key = (tuple(layers), group, next_group, microbatches, in_flight_microbatches)
+        if key not in summaries:
+            summaries[key] = summarize_stage(
+                layers, group, next_group, microbatches, in_flight_microbatches, table=table, links=links
+            )
+        return summaries[key]
+
+    return summary
 
 
 def combine(

@@ -71,6 +71,13 @@ class Best:
             self.keep(Incumbent(self.score(ev, stages, groups), ev, stages, groups, M))
         return ev
 
+    def fork(self) -> Best:
+        """A Best that starts at this incumbent and whose offers leave this one alone (a solve of a
+        wave offers to its own fork; :meth:`keep` takes the fork's incumbent once the wave ends)."""
+        forked = Best(self.space, self.schedule, migration=self.migration, keys=self.keys)
+        forked.current = self.current
+        return forked
+
     def cutoff_s(self, gap: float) -> float:
         """The cutoff (s) of :func:`cutoff_ms`; +inf before the first plan."""
         return cutoff_ms(self.current, gap) / MS if self.current is not None else math.inf

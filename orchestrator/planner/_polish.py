@@ -40,7 +40,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from orchestrator.planner._evaluate import Evaluation, StageSummary, evaluate, summarize_stage
+from orchestrator.planner._evaluate import Evaluation, evaluate, summary_cache
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._incumbent import Incumbent
 from orchestrator.planner._rebalance import Rebalancer
@@ -77,13 +77,7 @@ def polish(
     # hundreds of thousands of plans)
     seen: dict[Candidate, float | None] = {}
     # a neighbour changes one or two stages: every stage's summary is priced once
-    summaries: dict[tuple, StageSummary | None] = {}
-
-    def summary(layers, group, next_group, M, k, *, table, links) -> StageSummary | None:
-        key = (layers, group, next_group, M, k)
-        if key not in summaries:
-            summaries[key] = summarize_stage(layers, group, next_group, M, k, table=table, links=links)
-        return summaries[key]
+    summary = summary_cache()
 
     def evaluation(candidate: Candidate) -> Evaluation:
         parts, chosen, M = candidate

@@ -50,7 +50,7 @@ from orchestrator.planner._options import SearchOptions
 from orchestrator.planner._plan import Plan, PlanNotFound
 from orchestrator.planner._rebalance import Rebalancer
 from orchestrator.planner._space import microbatch_counts, search_space
-from orchestrator.planner._split import StageCosts, min_bottleneck_split
+from orchestrator.planner._split import min_bottleneck_split, stage_costs
 from orchestrator.solver import solve
 
 _CACHE: dict[str, Plan] = {}
@@ -107,7 +107,7 @@ def _replace_lost(previous: Plan, space, kept: list[int], free: Counter, score, 
         groups = [stage_group(stage) for stage in previous.stages]
         for s, g in zip(lost, choice):
             groups[s] = g
-        costs = [StageCosts(space, g, M) for g in groups]
+        costs = [stage_costs(space, g, M) for g in groups]
 
         def stage_times(s, costs=costs):
             return costs[s].times(in_flight(previous.schedule, M, S, s))

@@ -72,6 +72,17 @@ class StageCosts:
         )
 
 
+def stage_costs(space, group: GroupConfig, microbatches: int) -> StageCosts:
+    """``StageCosts(space, group, microbatches)``, built once per cost table (kept in its ``derived``):
+    they read the table alone, and the baselines, the configurations of fixed splits and re-planning
+    ask for the same ones many times."""
+    key = (StageCosts, group, microbatches)
+    found = space.table.derived.get(key)
+    if found is None:
+        found = space.table.derived[key] = StageCosts(space, group, microbatches)
+    return found
+
+
 def configs_for(space, device_type: str, size: int, microbatches: int, *, tensor_parallel: bool = True):
     """Every (tp, recompute) the planner would consider for ``size`` devices of one type."""
     return [
@@ -153,15 +164,13 @@ def configure(
     schedule: str,
     *,
     tp: bool = True,
-    costs: Callable[[GroupConfig, int], StageCosts] | None = None,
 ) -> list[GroupConfig] | None:
-    """The fastest fitting configuration for each stage of a fixed split on fixed device blocks;
-    ``costs(group, M)`` gives a group's ``StageCosts`` (built afresh by default)."""
-    costs = costs or (lambda group, M: StageCosts(space, group, M))
+    """The fastest fitting configuration for each stage of a fixed split on fixed device blocks."""
     chosen = []
     for s, ((device_type, size), layers) in enumerate(zip(blocks, split)):
         options = [
-            costs(g, microbatches) for g in configs_for(space, device_type, size, microbatches, tensor_parallel=tp)
+            stage_costs(space, g, microbatches)
+            for g in configs_for(space, device_type, size, microbatches, tensor_parallel=tp)
         ]
         k = in_flight(schedule, microbatches, len(blocks), s)
         best = best_config(options, layers[0], layers[-1] + 1, k)

@@ -72,6 +72,9 @@ class CostTable:
         self.links = links or {}
         self._entries: dict = {}
         self._shares: dict = {}
+        # values computed from this table's entries alone, kept as long as the table (each keyed by
+        # the module that builds it, e.g. ``_split.stage_costs``)
+        self.derived: dict = {}
         self.deadline: Deadline | None = None
         # identical layers (same signature and output size) share every entry
         first: dict = {}

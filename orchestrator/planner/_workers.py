@@ -24,6 +24,9 @@ from orchestrator.solver import HighsSession, work
 
 # at most this many solves at once (and never more than the machine's cores)
 MAX_WORKERS = 4
+# solves at once in a wave while the clock counts work (``work.lane``): a fixed number, not the
+# machine's cores, so the same input takes the same steps on any machine
+WAVE = 2
 
 
 def default_workers() -> int:

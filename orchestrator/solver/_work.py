@@ -12,6 +12,12 @@ steps; a wall-clock limit stays only as a safety cap (:func:`wall_limit_s`), far
 Outside :func:`work_budget`, :func:`now` is ``time.perf_counter()`` and nothing is counted.
 The clock is one per process: one search counts at a time (a second one waits for the first).
 
+Solves run side by side in **lanes** (:func:`lane`, :func:`fold`): each worker thread's work is
+counted on a lane of its own, which starts at the clock's time, and is added to the clock only
+once every lane of the wave has ended, in the order the lanes were started. A solve then reads the
+same clock (its deadline, its share) whatever the other lanes did meanwhile, so a wave of solves
+takes the same steps on one core or two, loaded or idle.
+
 Example:
   >>> from orchestrator.solver import work
   >>> with work.work_budget():
@@ -26,8 +32,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # nominal seconds per unit of work, about an idle core's: one simplex iteration per (row + column) of
 # the model it iterates on, one branch-and-bound node (its LP iterations are counted apart)
@@ -45,6 +54,13 @@ WALL_CAP = 10.0
 WALL_CAP_S = 30.0
 
 
+class Lane:
+    """One worker's count inside a wave: it reads the clock as ``start + spent``."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.spent = start, 0.0
+
+
 class _Clock:
     def __init__(self) -> None:
         self.spent = 0.0
@@ -58,6 +74,7 @@ class _Clock:
 _active: _Clock | None = None
 _depth = 0
 _one_search = threading.RLock()  # held by the thread whose search counts
+_lanes = threading.local()  # the lane this thread counts on, if any
 
 
 @contextmanager
@@ -83,16 +100,46 @@ def counting() -> bool:
 
 
 def now() -> float:
-    """The clock: nominal seconds of work counted, or ``time.perf_counter()`` when not counting."""
+    """The clock: nominal seconds of work counted (on this thread's lane, if it runs on one), or
+    ``time.perf_counter()`` when not counting."""
     clock = _active
-    return clock.spent if clock is not None else time.perf_counter()
+    if clock is None:
+        return time.perf_counter()
+    current = getattr(_lanes, "current", None)
+    return current.start + current.spent if current is not None else clock.spent
 
 
 def charge(seconds: float) -> None:
-    """Count ``seconds`` of nominal work (nothing when not counting)."""
+    """Count ``seconds`` of nominal work (on this thread's lane, if it runs on one; nothing when not
+    counting)."""
     clock = _active
-    if clock is not None:
+    if clock is None:
+        return
+    current = getattr(_lanes, "current", None)
+    if current is not None:
+        current.spent += seconds
+    else:
         clock.charge(seconds)
+
+
+def lane() -> Lane:
+    """A lane starting at the clock's time now, to hand a worker (:func:`counted_on`)."""
+    return Lane(now())
+
+
+def counted_on(on: Lane, job: Callable[[], T]) -> T:
+    """``job()`` with this thread's work counted on ``on`` (call it on the worker thread)."""
+    _lanes.current = on
+    try:
+        return job()
+    finally:
+        _lanes.current = None
+
+
+def fold(lanes: Iterable[Lane]) -> None:
+    """Add the ended ``lanes``' work to the clock, in the order given (their start order)."""
+    for ended in lanes:
+        charge(ended.spent)
 
 
 def charge_highs(highs) -> None:
@@ -104,7 +151,7 @@ def charge_highs(highs) -> None:
     info = highs.getInfo()
     cells = highs.getNumRow() + highs.getNumCol()
     iterations = max(0, int(info.simplex_iteration_count)) + max(0, int(info.ipm_iteration_count))
-    clock.charge(iterations * cells * ITERATION_CELL_S + max(0, int(info.mip_node_count)) * NODE_S)
+    charge(iterations * cells * ITERATION_CELL_S + max(0, int(info.mip_node_count)) * NODE_S)
 
 
 def run(highs) -> None:

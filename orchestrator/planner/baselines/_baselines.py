@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 from orchestrator.costs import CostModel
 from orchestrator.planner._ilp import in_flight
-from orchestrator.planner._split import configs_for, equal_split, fastest_times, min_bottleneck_split
+from orchestrator.planner._split import configs_for, equal_split, fastest_times, min_bottleneck_split, stage_costs
 from orchestrator.planner.baselines._exhaustive import exhaustive_plan
 from orchestrator.planner.baselines._sweep import BaselinePlan, Blocks, Proposal, Sweep
 
@@ -105,7 +105,7 @@ def balanced(search: Sweep, S: int, M: int, blocks: Blocks) -> Iterator[Proposal
     speed = search.speed(blocks, M)
     fastest_first = sorted(blocks, key=lambda b: -speed[b[0]] * b[1])
     for order in (fastest_first, fastest_first[::-1]):
-        options = [[search.costs(g, M) for g in configs_for(space, t, n, M)] for t, n in order]
+        options = [[stage_costs(space, g, M) for g in configs_for(space, t, n, M)] for t, n in order]
 
         def stage_times(s, options=options):
             return fastest_times(options[s], space.layers, in_flight(schedule, M, S, s))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from orchestrator.costs import CostModel
-from orchestrator.planner._evaluate import Evaluation
+from orchestrator.planner._evaluate import Evaluation, evaluate, summary_cache
 from orchestrator.planner.baselines._sweep import Sweep
 
 
@@ -21,13 +21,23 @@ def exhaustive_plan(model: CostModel, **settings) -> Evaluation | None:
     ``settings`` as for every baseline (:class:`~orchestrator.planner.baselines._sweep.Sweep`)."""
     sweep = Sweep(model, **settings)
     space = sweep.space
+    summary = summary_cache()  # (a stage is in many plans: each is summarised once)
     best = None
     for S in sweep.stage_counts:
         for M in sweep.candidates:
             valid = [g for g in space.groups if space.table.microbatch(g, M) is not None]
             for stages in _partitions(space.layers, S):
                 for chosen in itertools.product(valid, repeat=S):
-                    ev = sweep.evaluate(list(stages), list(chosen), M)
+                    ev = evaluate(
+                        stages,
+                        list(chosen),
+                        M,
+                        table=space.table,
+                        infos=space.infos,
+                        schedule=sweep.schedule,
+                        links=space.links,
+                        summarize=summary,
+                    )
                     if ev.feasible and (best is None or ev.iteration_s < best.iteration_s):
                         best = ev
     return best

@@ -3,7 +3,6 @@ planner's search space, the sweep over stage and microbatch counts, and its best
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -12,15 +11,11 @@ from orchestrator.planner._evaluate import Evaluation, evaluate
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import in_flight
 from orchestrator.planner._space import SearchSpace, microbatch_counts, search_space
-from orchestrator.planner._split import StageCosts, configs_for, configure, fastest_times, min_bottleneck_split
+from orchestrator.planner._split import configs_for, configure, fastest_times, min_bottleneck_split, stage_costs
 from orchestrator.solver import work
 
 Blocks = list[tuple[str, int]]  # (device type, devices) per stage
 Proposal = tuple[list[list[int]] | None, list[GroupConfig] | None]  # (split, groups), None where none fits
-
-# every sweep over one cost table (the heuristic start runs the five baselines over one space) shares
-# its StageCosts: they depend on the table, the group and M only
-_STAGE_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,14 +104,6 @@ class Sweep:
         self.stage_counts = (
             [S for S in stage_counts if S <= self.max_stages] if stage_counts else range(1, self.max_stages + 1)
         )
-        self._costs: dict[tuple[GroupConfig, int], StageCosts] = _STAGE_COSTS.setdefault(self.space.table, {})
-
-    def costs(self, group: GroupConfig, M: int) -> StageCosts:
-        """``StageCosts(space, group, M)``, built once per cost table (they do not depend on S, the order
-        or the baseline)."""
-        if (group, M) not in self._costs:
-            self._costs[group, M] = StageCosts(self.space, group, M)
-        return self._costs[group, M]
 
     def expired(self) -> bool:
         """Past the deadline (``work.now()``) the search returns its best so far."""
@@ -152,7 +139,7 @@ class Sweep:
 
     def configure(self, blocks: Blocks, split, M: int, *, tp: bool = True) -> list[GroupConfig] | None:
         """Each stage's fastest fitting configuration on its block (``_split.configure``), None without a split."""
-        return configure(self.space, blocks, split, M, self.schedule, tp=tp, costs=self.costs) if split else None
+        return configure(self.space, blocks, split, M, self.schedule, tp=tp) if split else None
 
     def speed(self, blocks: Blocks, M: int) -> dict[str, float]:
         """Layers per second of one device of each type in ``blocks`` (single device, no recompute)."""
@@ -166,7 +153,10 @@ class Sweep:
     def reference_split(self, blocks: Blocks, M: int, *, tp: bool):
         """Balanced split with every block costed as the first listed type (identical devices)."""
         options = [
-            [self.costs(g, M) for g in configs_for(self.space, self.reference_type, size, M, tensor_parallel=tp)]
+            [
+                stage_costs(self.space, g, M)
+                for g in configs_for(self.space, self.reference_type, size, M, tensor_parallel=tp)
+            ]
             for _, size in blocks
         ]
 

@@ -185,6 +185,38 @@ def test_tensor_parallelism_splits_the_heads_inside_the_ring(planned, form):
     assert state.params["blocks_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == kernel.sharding.spec
 
 
+def test_zero_splits_the_moments_over_every_rank_that_holds_the_same_parameters(planned):
+    """ZeRO-1 on TP 2 × CP 2 × DP 2: the optimizer moments are split over "data" and "context", the
+    dp·cp = 4 ranks that hold the same parameters, so each device stores the priced optimizer
+    bytes (the cost model divides them by dp·cp), and 5 steps give one device's losses."""
+    model, found = planned
+    stage = dataclasses.replace(found.stages[0], tp=2, cp=2, dp=2, microbatch_size=1, zero=True)
+    zeroed = dataclasses.replace(found, stages=(stage,))
+    cluster, axes = load_cluster(CLUSTER), RECIPE.param_axes()
+    state = shard(zeroed, RECIPE.initial_state(0), param_axes=axes, cluster=cluster, zero=True)
+    moment = state.opt_state[0].mu["blocks_0"]["mlp"]["c_fc"]["kernel"]
+    assert moment.sharding.spec == jax.sharding.PartitionSpec(("data", "context"), "model")
+    moments = sum(
+        leaf.addressable_shards[0].data.nbytes
+        for leaf in jax.tree_util.tree_leaves((state.opt_state[0].mu, state.opt_state[0].nu))
+    )
+    priced = CostModel(model.graph, model.layers, model.cluster, batch_size=RECIPE.batch_size, param_axes=axes)
+    config = ParallelConfig(tp=2, dp=2, context_parallel=2, microbatch_size=1, zero=True)
+    optimizer = sum(priced.layer_cost(i, "small", config).optimizer_bytes for i in range(len(priced.layers)))
+    assert moments == pytest.approx(optimizer, rel=0.01)
+    step = compile_step(zeroed, RECIPE.train_step, state, param_axes=axes, cluster=cluster, zero=True)
+    reference, alone, losses = [], RECIPE.initial_state(0), []
+    one_device = jax.jit(RECIPE.train_step)
+    for i in range(STEPS):
+        batch = RECIPE.batch_for_step(0, i)
+        alone, metrics = one_device(alone, batch)
+        reference.append(float(metrics["loss"]))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    assert state.opt_state[0].mu["blocks_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == moment.sharding.spec
+
+
 def _priced_and_compiled(model, kind: str, cp: int, devices) -> tuple[float, float]:
     """(priced, compiled) bytes per device of a step at ``cp`` (1: plain, on one device): the layers'
     kept activations, the largest transient and the parameters, gradients and optimizer state, against

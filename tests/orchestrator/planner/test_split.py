@@ -7,7 +7,7 @@ import numpy as np
 
 from orchestrator.bench._synthetic import random_instance
 from orchestrator.planner._space import search_space
-from orchestrator.planner._split import StageCosts, best_config, fastest_times, min_bottleneck_split
+from orchestrator.planner._split import StageCosts, best_config, fastest_times, min_bottleneck_split, stage_costs
 
 
 def _splits(layers: int, stages: int):
@@ -69,3 +69,13 @@ def test_interval_matrices_match_the_scalar_costs():
                         checked += 1
                 assert np.all(np.isinf(fastest[np.tril_indices(space.layers + 1)]))  # (k ≤ i: no stage)
     assert checked >= 50, checked
+
+
+def test_stage_costs_are_built_once_per_cost_table_and_equal_a_fresh_build():
+    space = search_space(random_instance(0), 8, recompute=True)
+    other = search_space(random_instance(0), 8, recompute=True)  # (its own table)
+    group = next(g for g in space.groups if space.table.microbatch(g, 2) is not None)
+    kept = stage_costs(space, group, 2)
+    assert stage_costs(space, group, 2) is kept and stage_costs(other, group, 2) is not kept
+    fresh = StageCosts(space, group, 2)
+    assert kept.time == fresh.time and np.array_equal(kept.times(2), fresh.times(2))

@@ -2,6 +2,7 @@
 the per-group transfer floors its bounds read never above a real transfer, and the bounds that use
 them never above a plan they bound; a cheap preset certified within 1%."""
 
+import functools
 import itertools
 import math
 import random
@@ -110,6 +111,28 @@ def test_limits_are_work_only_inside_a_budget():
     assert not work.counting()
 
 
+def test_a_lane_reads_its_own_work_and_is_folded_into_the_clock_in_start_order():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with work.work_budget():
+        work.charge(1.0)
+        lanes = [work.lane(), work.lane()]
+
+        def job(seconds: float) -> float:
+            work.charge(seconds)
+            return work.now()
+
+        with ThreadPoolExecutor(2) as pool:
+            seen = [
+                pool.submit(work.counted_on, lane, functools.partial(job, s)).result()
+                for lane, s in zip(lanes, (0.5, 0.25))
+            ]
+        assert seen == [1.5, 1.25] and work.now() == 1.0  # (each lane from the wave's start; the clock waits)
+        work.fold(lanes)
+        assert work.now() == 1.75
+    assert not work.counting()
+
+
 def _key(found):
     return (
         found.iteration_s,
@@ -157,3 +180,76 @@ def test_a_cheap_preset_is_certified_within_one_percent():
     model = captured_model("gpt2-small", "mixed-a100-v100", 1024)
     found = plan(model, global_batch=64, gap=1e-2)
     assert found.gap <= 1e-2 + 1e-9 and found.bound <= found.iteration_s
+
+
+def _column_search(delay_first: bool):
+    """``column_bounds`` of the deep instance under a work budget, from its slowest one-stage plan,
+    with the plans of every first MIP of a wave offered late (``delay_first``) or of every second:
+    the bounds, the incumbent, the work counted, the most MIPs seen running at once, the start's
+    step time and the plans offered."""
+    import threading
+    import time
+
+    from orchestrator.planner import _paths
+    from orchestrator.planner._bounds import column_bounds
+    from orchestrator.planner._incumbent import Best, Incumbent
+    from orchestrator.planner._options import SearchOptions
+    from orchestrator.planner._scope import Scope
+
+    space = search_space(_deep_instance(), 32, recompute=False)
+    candidates = [32, 16, 8, 4, 2, 1]
+    best = Best(space, "1f1b", migration=None, keys=[])
+    one_stage = [list(range(space.layers))]
+    fitting = [
+        (ev, g, M)
+        for M in candidates
+        for g in space.groups
+        if space.table.microbatch(g, M) is not None and (ev := best.evaluate(one_stage, [g], M)).feasible
+    ]
+    ev, group, M = max(fitting, key=lambda plan: plan[0].iteration_s)
+    best.keep(Incumbent(ev.iteration_s, ev, one_stage, [group], M))
+    scope = Scope(space=space, candidates=candidates, max_stages=6, gap=1e-9, options=SearchOptions())
+    real = _paths.StageColumns.integer_bound_s
+    running, most, lock, calls, offered = [0], [0], threading.Lock(), [0], [0]
+
+    def watched(self, stages, **settings):
+        with lock:
+            calls[0] += 1
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            first = calls[0] % 2 == 1
+        price, pause = settings.pop("price"), 0.05 if first == delay_first else 0.0
+
+        def slowed(*plan):  # (which solve of a wave offers its plans first)
+            time.sleep(pause)
+            offered[0] += 1
+            return price(*plan)
+
+        try:
+            return real(self, stages, price=slowed, **settings)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    _paths.StageColumns.integer_bound_s = watched
+    try:
+        with work.work_budget():
+            found = column_bounds(scope, best, deadline=work.now() + 30.0)
+            spent = work.now()
+    finally:
+        _paths.StageColumns.integer_bound_s = real
+    current = best.current
+    incumbent = (current.score, current.microbatches, current.stages, list(current.groups))
+    return found, incumbent, spent, most[0], ev.iteration_s, offered[0]
+
+
+def test_the_column_mips_run_two_at_once_and_take_the_same_steps_whichever_ends_first():
+    """Counting work, the column solves run in waves of two, each on a lane of the clock and
+    offering its plans to a fork of the incumbent: delaying the first or the second solve of every
+    wave changes which ends first, and nothing else — the bounds, the incumbent and the work counted
+    are equal (exactly), and the MIPs did improve on the start. (Offering to the incumbent itself,
+    the solve that offers second reads the first's cutoff, and the bounds differ.)"""
+    early, late = _column_search(delay_first=False), _column_search(delay_first=True)
+    assert early[:3] == late[:3] and early[5] == late[5] > 0
+    assert early[3] == late[3] == 2  # (two MIPs at once)
+    assert early[1][0] < early[4]  # (their plans reached the incumbent)
