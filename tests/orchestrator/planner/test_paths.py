@@ -181,11 +181,12 @@ def test_a_price_dominated_column_never_prices_a_plan_lower_than_its_dominator()
             first = onto.indices  # each pair's dominated group
             index = {group: g for g, group in enumerate(columns.groups)}
             shape = {tuple(row): v for v, row in enumerate(columns.counts)}
+            summary = summary_cache()
             for S in range(1, min(3, space.layers) + 1):
                 for stages in _partitions(space.layers, S):
                     for chosen in itertools.product(columns.groups, repeat=S):
                         price = evaluate(list(stages), list(chosen), M, table=space.table, infos=space.infos,
-                                         schedule="1f1b", links=space.links)  # fmt: skip
+                                         schedule="1f1b", links=space.links, summarize=summary)  # fmt: skip
                         if not price.feasible:
                             continue
                         for s, layers in enumerate(stages):
@@ -195,7 +196,7 @@ def test_a_price_dominated_column_never_prices_a_plan_lower_than_its_dominator()
                                 swapped = list(chosen)
                                 swapped[s] = columns.groups[g2[pair]]
                                 after = evaluate(list(stages), swapped, M, table=space.table, infos=space.infos,
-                                                 schedule="1f1b", links=space.links)  # fmt: skip
+                                                 schedule="1f1b", links=space.links, summarize=summary)  # fmt: skip
                                 assert after.feasible and after.iteration_s <= price.iteration_s * (1 + 1e-9), (
                                     f"seed {seed}, M={M}: {chosen[s]} → {swapped[s]} at stage {s} of {stages}"
                                 )

@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.bench._synthetic import SyntheticCosts, SyntheticLayer, random_instance, synthetic_cluster
 from orchestrator.planner import plan
-from orchestrator.planner._evaluate import evaluate
+from orchestrator.planner._evaluate import evaluate, summary_cache
 from orchestrator.planner._ilp import transfer_floors_s
 from orchestrator.planner._packing import PackingBound
 from orchestrator.planner._paths import StageColumns
@@ -67,11 +67,19 @@ def test_column_and_packing_bounds_stay_below_every_plan_on_wide_groups(schedule
         for M in (1, 4):
             groups = [g for g in space.groups if space.table.microbatch(g, M) is not None]
             columns = StageColumns(space, groups, microbatches=M, schedule=schedule)
+            summary = summary_cache()
             for S in (2, 3):
                 least = math.inf
                 for stages, chosen in _plans(space, M, S):
                     ev = evaluate(
-                        stages, chosen, M, table=space.table, infos=space.infos, schedule=schedule, links=space.links
+                        stages,
+                        chosen,
+                        M,
+                        table=space.table,
+                        infos=space.infos,
+                        schedule=schedule,
+                        links=space.links,
+                        summarize=summary,
                     )
                     if ev.feasible:
                         least = min(least, ev.iteration_s)
