@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from orchestrator.costs import CostModel
-from orchestrator.planner._evaluate import Evaluation, evaluate, summary_cache
+from orchestrator.planner._evaluate import Evaluation, summary_cache
 from orchestrator.planner.baselines._sweep import Sweep
 
 
@@ -28,16 +28,7 @@ def exhaustive_plan(model: CostModel, **settings) -> Evaluation | None:
             valid = [g for g in space.groups if space.table.microbatch(g, M) is not None]
             for stages in _partitions(space.layers, S):
                 for chosen in itertools.product(valid, repeat=S):
-                    ev = evaluate(
-                        stages,
-                        list(chosen),
-                        M,
-                        table=space.table,
-                        infos=space.infos,
-                        schedule=sweep.schedule,
-                        links=space.links,
-                        summarize=summary,
-                    )
+                    ev = sweep.evaluate(stages, list(chosen), M, summarize=summary)
                     if ev.feasible and (best is None or ev.iteration_s < best.iteration_s):
                         best = ev
     return best

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from orchestrator.costs import CostModel
-from orchestrator.planner._evaluate import Evaluation, evaluate
+from orchestrator.planner._evaluate import Evaluation, evaluate, summarize_stage
 from orchestrator.planner._groups import GroupConfig
 from orchestrator.planner._ilp import in_flight
 from orchestrator.planner._space import SearchSpace, microbatch_counts, search_space
@@ -122,11 +122,20 @@ class Sweep:
                     best = self._better(name, split, groups, M, best)
         return best
 
-    def evaluate(self, split: list[list[int]], groups: list[GroupConfig], M: int) -> Evaluation:
-        """A plan priced by the closed form."""
+    def evaluate(
+        self, split: list[list[int]], groups: list[GroupConfig], M: int, *, summarize=summarize_stage
+    ) -> Evaluation:
+        """A plan priced by the closed form (``summarize``: as for :func:`evaluate`)."""
         space = self.space
         return evaluate(
-            split, groups, M, table=space.table, infos=space.infos, schedule=self.schedule, links=space.links
+            split,
+            groups,
+            M,
+            table=space.table,
+            infos=space.infos,
+            schedule=self.schedule,
+            links=space.links,
+            summarize=summarize,
         )
 
     def _better(self, name: str, split, groups, M: int, best: BaselinePlan | None) -> BaselinePlan | None:
