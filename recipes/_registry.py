@@ -54,8 +54,13 @@ class Recipe:
         return create_train_state(self.model(), rng, example, adamw(learning_rate))
 
     def abstract_state(self, *, learning_rate: float = 3e-4) -> TrainState:
-        """The TrainState as ``jax.ShapeDtypeStruct`` leaves; allocates nothing."""
-        return jax.eval_shape(lambda rng: self.create_state(rng, learning_rate=learning_rate), jax.random.key(0))
+        """The TrainState as ``jax.ShapeDtypeStruct`` leaves, as :meth:`create_state` makes it;
+        allocates nothing (the model's init is traced once per recipe, shared with :meth:`param_axes`)."""
+        model = self.model()
+        params = nn.meta.unbox(_abstract_variables(self)["params"])
+        return jax.eval_shape(
+            lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=adamw(learning_rate)), params
+        )
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         """Logical axis names of every parameter (``"blocks_0/mlp/c_fc/kernel": ("embed", "mlp")``).
@@ -64,9 +69,7 @@ class Recipe:
         (``nn.get_partition_spec``, paths joined with ``/``), so recipes stand on Flax only; it is
         the table ``integrations.flax.param_logical_axes`` gives for any boxed model.
         """
-        example = jax.ShapeDtypeStruct((1, min(self.seq_len, 8)), jnp.int32)
-        boxed = jax.eval_shape(self.model().init, jax.random.key(0), example)
-        specs = flatten_dict(nn.get_partition_spec(boxed["params"]), sep="/")
+        specs = flatten_dict(nn.get_partition_spec(_abstract_variables(self)["params"]), sep="/")
         return {path: tuple(spec) for path, spec in specs.items()}
 
     def initial_state(self, seed: int, *, learning_rate: float = 3e-4) -> TrainState:
@@ -131,3 +134,12 @@ def get_recipe(name: str) -> Recipe:
         return RECIPES[name]
     except KeyError:
         raise KeyError(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}") from None
+
+
+@functools.cache
+def _abstract_variables(recipe: Recipe) -> dict:
+    """The variables of ``recipe``'s model from an abstract init at :meth:`Recipe.create_state`'s
+    example shape, logical-axis boxes kept (``jax.ShapeDtypeStruct`` leaves): tracing a large
+    model's init takes seconds, and both the abstract state and the axes read it."""
+    example = jax.ShapeDtypeStruct((1, min(recipe.seq_len, 8)), jnp.int32)
+    return jax.eval_shape(recipe.model().init, jax.random.key(0), example)

@@ -129,3 +129,30 @@ def test_gpt_options_of_the_llama_architecture_need_llama():
         GPTConfig(vocab_size=8, max_seq_len=8, num_layers=1, num_heads=2, d_model=8, num_kv_heads=1)
     with pytest.raises(ValueError, match="divisible by num_kv_heads"):
         GPTConfig(vocab_size=8, max_seq_len=8, num_layers=1, num_heads=4, d_model=8, llama=True, num_kv_heads=3)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "mamba-tiny"])
+def test_the_abstract_state_is_create_states_and_shares_one_abstract_init_with_the_axes(name, monkeypatch):
+    """``abstract_state`` has ``create_state``'s leaves (paths, shapes, dtypes); it and ``param_axes``
+    trace the model's init once between them (a large model's init takes seconds to trace)."""
+    import dataclasses
+
+    import flax.linen as nn
+
+    recipe = dataclasses.replace(get_recipe(name), batch_size=3)  # (a recipe no earlier test has read)
+    traced, init = [], nn.Module.init
+
+    def counted(self, *args, **kwargs):
+        traced.append(type(self).__name__)
+        return init(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "init", counted)
+    state, axes, again = recipe.abstract_state(), recipe.param_axes(), recipe.abstract_state(learning_rate=1e-3)
+    assert len(traced) == 1
+    made = jax.eval_shape(recipe.create_state, jax.random.key(0))
+    for ours, theirs in (state, made), (again, made):
+        ours, theirs = jax.tree_util.tree_flatten_with_path(ours)[0], jax.tree_util.tree_flatten_with_path(theirs)[0]
+        assert [(p, x.shape, x.dtype) for p, x in ours] == [(p, x.shape, x.dtype) for p, x in theirs]
+    assert set(axes) == {
+        "/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(made.params)[0]
+    }
