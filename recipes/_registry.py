@@ -13,7 +13,7 @@ from flax.traverse_util import flatten_dict
 
 from recipes.gpt import GPT, GPT_PRESETS, GPTConfig
 from recipes.mamba import MAMBA_PRESETS, Mamba, MambaConfig
-from recipes.train import adamw, create_train_state, synthetic_batch, train_step
+from recipes.train import adamw, create_train_state, synthetic_batch, train_state_of, train_step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,10 +57,7 @@ class Recipe:
         """The TrainState as ``jax.ShapeDtypeStruct`` leaves, as :meth:`create_state` makes it;
         allocates nothing (the model's init is traced once per recipe, shared with :meth:`param_axes`)."""
         model = self.model()
-        params = nn.meta.unbox(_abstract_variables(self)["params"])
-        return jax.eval_shape(
-            lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=adamw(learning_rate)), params
-        )
+        return jax.eval_shape(lambda v: train_state_of(model, v, adamw(learning_rate)), _abstract_variables(self))
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         """Logical axis names of every parameter (``"blocks_0/mlp/c_fc/kernel": ("embed", "mlp")``).

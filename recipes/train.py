@@ -28,9 +28,13 @@ def create_train_state(
     tx: optax.GradientTransformation,
 ) -> TrainState:
     """Initialise parameters (logical-axis boxes removed) and optimizer state."""
-    variables = model.init(rng, example_tokens)
-    params = nn.meta.unbox(variables["params"])
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    return train_state_of(model, model.init(rng, example_tokens), tx)
+
+
+def train_state_of(model: nn.Module, variables: dict, tx: optax.GradientTransformation) -> TrainState:
+    """The TrainState of ``model``'s initialised ``variables``: their parameters, logical-axis
+    boxes removed, and ``tx``'s state for them."""
+    return TrainState.create(apply_fn=model.apply, params=nn.meta.unbox(variables["params"]), tx=tx)
 
 
 def loss_fn(params, apply_fn, batch: dict) -> jax.Array:
